@@ -1,0 +1,427 @@
+"""`NeuronModelForCausalLM`: optimum-neuron's public API over the static-shape hybrid model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, ClassVar
+
+import torch
+from huggingface_hub import HfApi, split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..exporters.base import EagerBackend, StepBackend
+from ..neuron_config import Qwen36NeuronConfig, dtype_name
+from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
+from ..tokenizer import has_tokenizer_files
+from .cache import Qwen36HybridCache
+from .config import is_multimodal_layout, load_config, text_config_of
+from .generation import (
+    build_logits_processors,
+    build_stopping_criteria,
+    max_new_tokens_of,
+    prepare_generation_config,
+    select_next_tokens,
+)
+from .qwen36 import Qwen36ForCausalLM
+from .weights import build_model, resolve_checkpoint
+
+# The output field holding the cache: `cache` in recent transformers (which still reads `past_key_values`).
+OUTPUT_CACHE_FIELD = (
+    "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+class NeuronModelForCausalLM:
+    """Base class, mirroring optimum-neuron: `from_pretrained(..., export=True)` turns a transformers
+    checkpoint    into a model for the chosen backend; `from_pretrained(artifact)` loads one that was saved.
+
+    Called on this base class, `from_pretrained` picks the subclass registered for the checkpoint's
+    model_type.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    _registry: ClassVar[dict[str, type[NeuronModelForCausalLM]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for model_type in cls.model_types:
+            NeuronModelForCausalLM._registry[model_type] = cls
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        neuron_config: Qwen36NeuronConfig,
+        model: Qwen36ForCausalLM,
+        backend: StepBackend,
+        generation_config: GenerationConfig,
+        tokenizer_dir: str,
+    ) -> None:
+        self.config = config
+        self.neuron_config = neuron_config
+        self.model = model
+        self.backend = backend
+        self.generation_config = generation_config
+        self.tokenizer_dir = tokenizer_dir
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def _resolve_class(cls, config: PretrainedConfig) -> type[NeuronModelForCausalLM]:
+        if cls is not NeuronModelForCausalLM:
+            return cls
+        if config.model_type not in cls._registry:
+            raise ValueError(
+                f"No NeuronModelForCausalLM class for model_type {config.model_type!r}; "
+                f"supported: {sorted(cls._registry)}."
+            )
+        return cls._registry[config.model_type]
+
+    @classmethod
+    def get_neuron_config(
+        cls,
+        model_name_or_path: str | os.PathLike,
+        *,
+        batch_size: int = 1,
+        sequence_length: int | None = None,
+        dtype: str | torch.dtype | None = None,
+        backend: str = "eager",
+        prefill_chunk_size: int | None = None,
+        kv_block_size: int = 64,
+        tp_degree: int = 1,
+        revision: str | None = None,
+        token: str | None = None,
+    ) -> Qwen36NeuronConfig:
+        """The export settings for a checkpoint; defaults come from its config (dtype, context length)."""
+        checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)
+        text_config = text_config_of(load_config(checkpoint_dir))
+        if sequence_length is None:
+            sequence_length = min(4096, text_config.max_position_embeddings)
+        if dtype is None:
+            dtype = getattr(text_config, "dtype", None) or "bfloat16"
+        if prefill_chunk_size is None:
+            prefill_chunk_size = min(256, sequence_length)
+        return Qwen36NeuronConfig(
+            batch_size=batch_size,
+            sequence_length=sequence_length,
+            prefill_chunk_size=prefill_chunk_size,
+            kv_block_size=kv_block_size,
+            dtype=dtype_name(dtype),
+            backend=backend,
+            tp_degree=tp_degree,
+            checkpoint_id=str(model_name_or_path),
+            checkpoint_revision=revision,
+        )
+
+    @classmethod
+    def export(
+        cls,
+        model_id: str | os.PathLike,
+        neuron_config: Qwen36NeuronConfig,
+        *,
+        token: str | None = None,
+        revision: str | None = None,
+    ) -> NeuronModelForCausalLM:
+        """Build the model for `neuron_config.backend` from a transformers checkpoint (dir or Hub id)."""
+        checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
+        config = load_config(checkpoint_dir)
+        model_cls = cls._resolve_class(config)
+        text_config = text_config_of(config)
+        if text_config.max_position_embeddings < neuron_config.sequence_length:
+            raise ValueError(
+                f"sequence_length={neuron_config.sequence_length} exceeds the model's "
+                f"max_position_embeddings={text_config.max_position_embeddings}."
+            )
+        model = build_model(
+            text_config, checkpoint_dir, is_multimodal_layout(config), neuron_config.torch_dtype
+        )
+        generation_config = _generation_config(checkpoint_dir, text_config)
+        tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
+        backend = model_cls._create_backend(model, neuron_config)
+        return model_cls(text_config, neuron_config, model, backend, generation_config, tokenizer_dir)
+
+    @classmethod
+    def _create_backend(cls, model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> StepBackend:
+        if neuron_config.backend == "eager":
+            return EagerBackend(model)
+        raise NotImplementedError(
+            f"The {neuron_config.backend!r} backend is not available in this version; use backend='eager'."
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_id: str | os.PathLike,
+        *,
+        export: bool = False,
+        revision: str | None = None,
+        token: str | None = None,
+        **neuron_config_kwargs: Any,
+    ) -> NeuronModelForCausalLM:
+        """Load a saved model, or with `export=True` export a transformers checkpoint first
+        (`neuron_config_kwargs` as for `get_neuron_config`: batch_size, sequence_length, dtype, ...)."""
+        if export:
+            neuron_config = cls.get_neuron_config(
+                model_id, revision=revision, token=token, **neuron_config_kwargs
+            )
+            return cls.export(model_id, neuron_config, revision=revision, token=token)
+        if neuron_config_kwargs:
+            raise ValueError(
+                f"Export settings {sorted(neuron_config_kwargs)} only apply with export=True; a saved model "
+                "keeps the settings it was exported with."
+            )
+        directory = resolve_checkpoint(model_id, revision=revision, token=token)
+        neuron_config = Qwen36NeuronConfig.load(directory)
+        return cls.export(directory, neuron_config)
+
+    # ------------------------------------------------------------------ saving
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write config, neuron config, generation config, tokenizer and weights (safetensors shards)."""
+        os.makedirs(save_directory, exist_ok=True)
+        self.config.save_pretrained(save_directory)
+        self.neuron_config.save(save_directory)
+        self.generation_config.save_pretrained(save_directory)
+        self._save_weights(save_directory)
+        self._save_tokenizer(save_directory)
+
+    def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
+        state = {k: v for k, v in self.model.state_dict().items() if k in dict(self.model.named_parameters())}
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: state[n].contiguous() for n in names}, os.path.join(directory, filename))
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+
+    def _save_tokenizer(self, directory: str | os.PathLike) -> None:
+        """The checkpoint's own tokenizer files, or the Qwen3.5/3.6 tokenizer shipped with this package."""
+        for name in TOKENIZER_FILES:
+            source = os.path.join(self.tokenizer_dir, name)
+            if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(
+                os.path.join(directory, name)
+            ):
+                shutil.copyfile(source, os.path.join(directory, name))
+
+    def push_to_hub(
+        self,
+        save_directory: str | os.PathLike,
+        repository_id: str,
+        private: bool | None = None,
+        revision: str | None = None,
+        token: str | None = None,
+        endpoint: str | None = None,
+        api: HfApi | None = None,
+    ) -> str:
+        """Upload a directory written by `save_pretrained` to the Hub; returns the commit URL."""
+        api = api or HfApi(endpoint=endpoint, token=token)
+        api.create_repo(repository_id, private=private, exist_ok=True, token=token)
+        if revision is not None:
+            api.create_branch(repository_id, branch=revision, exist_ok=True, token=token)
+        commit = api.upload_folder(
+            folder_path=str(save_directory), repo_id=repository_id, revision=revision, token=token
+        )
+        return str(commit)
+
+    # ------------------------------------------------------------------ generation
+    def new_cache(self) -> Qwen36HybridCache:
+        nc = self.neuron_config
+        return Qwen36HybridCache(
+            self.config, nc.batch_size, nc.sequence_length, nc.kv_block_size, nc.torch_dtype
+        )
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        streamer: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        """transformers-style generation from left-padded `input_ids` + `attention_mask`.
+
+        Returns the prompts followed by the new tokens (pad_token_id after a row's EOS), or with
+        `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose `past_key_values` is the
+        `Qwen36HybridCache`; passing that cache back with the extended sequences continues without
+        recomputing the cached prefix."""
+        config, inputs_kwargs = prepare_generation_config(self.generation_config, generation_config, kwargs)
+        input_ids = inputs if inputs is not None else inputs_kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("generate() needs input_ids (a [batch, length] tensor of token ids).")
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        rows = self._prompt_rows(input_ids, inputs_kwargs.get("attention_mask"))
+        width = input_ids.shape[1]
+        max_new_tokens = max_new_tokens_of(config, width)
+        # transformers >= 5.x names the cache `cache`; `past_key_values` is the older name of the same input.
+        cache = inputs_kwargs.get("cache", inputs_kwargs.get("past_key_values"))
+        cache = self._check_cache(cache, rows, max_new_tokens)
+
+        pad_token_id = config.pad_token_id
+        if pad_token_id is None and config.eos_token_id is not None:
+            eos = config.eos_token_id
+            pad_token_id = eos[0] if isinstance(eos, list | tuple) else eos
+        padding_lengths = torch.tensor([width - len(r) for r in rows])
+        processors = build_logits_processors(config, width, padding_lengths, logits_processor)
+        criteria = build_stopping_criteria(
+            config, width + max_new_tokens, stopping_criteria, inputs_kwargs.get("tokenizer")
+        )
+        if streamer is not None:
+            streamer.put(input_ids)
+
+        logits = self._prefill(rows, cache)
+        sequences = input_ids
+        unfinished = torch.ones(len(rows), dtype=torch.bool)
+        raw_logits: list[torch.Tensor] = []
+        scores: list[torch.Tensor] = []
+        for step in range(max_new_tokens):
+            processed = processors(sequences, logits)
+            if config.output_logits:
+                raw_logits.append(logits)
+            if config.output_scores:
+                scores.append(processed)
+            next_tokens = select_next_tokens(processed, config.do_sample)
+            if pad_token_id is not None:
+                next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+            sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+            if streamer is not None:
+                streamer.put(next_tokens)
+            unfinished &= ~criteria(sequences, processed)
+            if not unfinished.any() or step == max_new_tokens - 1:
+                break
+            logits = self._decode(next_tokens, cache)
+        if streamer is not None:
+            streamer.end()
+        if not config.return_dict_in_generate:
+            return sequences
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=tuple(scores) if config.output_scores else None,
+            logits=tuple(raw_logits) if config.output_logits else None,
+            **{OUTPUT_CACHE_FIELD: cache},
+        )
+
+    def _prompt_rows(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Each row's real tokens. Rows must be left-padded (zeros of the mask before its ones)."""
+        batch, width = input_ids.shape
+        if batch > self.neuron_config.batch_size:
+            raise ValueError(
+                f"Batch of {batch} rows but the model was exported with batch_size="
+                f"{self.neuron_config.batch_size}: split the batch or re-export with a larger batch_size."
+            )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = torch.as_tensor(attention_mask).to(torch.long)
+        if mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}."
+            )
+        lengths = mask.sum(dim=1)
+        expected = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+        if not torch.equal(mask.bool(), expected):
+            raise ValueError(
+                "attention_mask must be left padding (0s then 1s in every row). Tokenize batches with "
+                "tokenizer.padding_side = 'left'."
+            )
+        if (lengths == 0).any():
+            raise ValueError("Every row needs at least one token (a row of the attention_mask is all zeros).")
+        return [input_ids[b, width - int(lengths[b]) :] for b in range(batch)]
+
+    def _check_cache(
+        self, cache: Qwen36HybridCache | None, rows: list[torch.Tensor], max_new_tokens: int
+    ) -> Qwen36HybridCache:
+        capacity = self.neuron_config.sequence_length
+        longest = max(len(r) for r in rows)
+        if longest + max_new_tokens > capacity:
+            raise ValueError(
+                f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the compiled "
+                f"sequence_length={capacity}. Shorten the prompt, lower max_new_tokens, or re-export with "
+                f"sequence_length >= {longest + max_new_tokens}."
+            )
+        if cache is None:
+            return self.new_cache()
+        if not isinstance(cache, Qwen36HybridCache):
+            raise ValueError(
+                f"past_key_values must be the Qwen36HybridCache returned by this model's generate(), "
+                f"got {type(cache).__name__}."
+            )
+        if (cache.batch_size, cache.sequence_length) != (self.neuron_config.batch_size, capacity):
+            raise ValueError("past_key_values was created by a model exported with other shapes.")
+        # Rows beyond this call's batch are dropped: the decode steps run them on dummy tokens.
+        cache.seq_lens[len(rows) :] = 0
+        for b, tokens in enumerate(rows):
+            cached = cache.cached_tokens(b)
+            if len(tokens) <= len(cached) or not torch.equal(tokens[: len(cached)], cached):
+                raise ValueError(
+                    f"Row {b} does not extend the sequence held in past_key_values ({len(cached)} cached "
+                    f"tokens): pass the previous output sequences plus at least one new token, or drop "
+                    "past_key_values."
+                )
+        return cache
+
+    def _prefill(self, rows: list[torch.Tensor], cache: Qwen36HybridCache) -> torch.Tensor:
+        """Run each row's uncached tokens in chunks; returns the logits after each row's last token."""
+        chunk = self.neuron_config.prefill_chunk_size
+        last_logits = []
+        for row, tokens in enumerate(rows):
+            start = int(cache.seq_lens[row])
+            if start == 0:
+                # A fresh row starts from zero GDN state, whatever the slot held before.
+                cache.conv_state[:, row].zero_()
+                cache.recurrent_state[:, row].zero_()
+            for begin in range(start, len(tokens), chunk):
+                piece = tokens[begin : begin + chunk]
+                padded = torch.zeros((1, chunk), dtype=torch.long)
+                padded[0, : len(piece)] = piece
+                logits = self.backend.prefill_chunk(
+                    padded,
+                    torch.tensor(begin),
+                    torch.tensor(len(piece)),
+                    torch.tensor(row),
+                    cache.block_tables[row],
+                    *cache.step_tensors(),
+                )
+                cache.record_tokens(row, piece)
+            last_logits.append(logits)
+        return torch.cat(last_logits, dim=0)
+
+    def _decode(self, tokens: torch.Tensor, cache: Qwen36HybridCache) -> torch.Tensor:
+        """Feed one token per row; rows beyond the caller's batch run on a dummy token and are discarded."""
+        batch = tokens.shape[0]
+        input_ids = torch.zeros((self.neuron_config.batch_size, 1), dtype=torch.long)
+        input_ids[:batch, 0] = tokens
+        positions = cache.seq_lens.clone()
+        positions[batch:] = 0
+        logits = self.backend.decode_step(input_ids, positions, cache.block_tables, *cache.step_tensors())
+        for row in range(batch):
+            cache.record_tokens(row, tokens[row : row + 1])
+        return logits[:batch]
+
+
+class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):
+    """Qwen3.6 / Qwen3.5 hybrid models (transformers model_type `qwen3_5`, both checkpoint layouts)."""
+
+    model_types = ("qwen3_5", "qwen3_5_text")
+
+
+def _generation_config(checkpoint_dir: str, config: PretrainedConfig) -> GenerationConfig:
+    if os.path.isfile(os.path.join(checkpoint_dir, "generation_config.json")):
+        return GenerationConfig.from_pretrained(checkpoint_dir)
+    return GenerationConfig.from_model_config(config)

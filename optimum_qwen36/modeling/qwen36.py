@@ -1,0 +1,393 @@
+"""One static-shape definition of the Qwen3.5/3.6 hybrid language model, for every backend.
+
+Module and parameter names follow transformers' `modeling_qwen3_5.py`, so checkpoint keys map one to one.
+Two entry points, both with static shapes and the cache tensors passed in and updated in place:
+
+- `prefill_chunk`: C tokens of one sequence starting at any position (the last chunk of a prompt is
+  right-padded; `num_valid` says how many tokens are real).
+- `decode_step`: one token for each of the B rows, each row at its own position.
+
+Attention KV is paged: `key_cache`/`value_cache` are [n_attention_layers, num_blocks, block_size, n_kv_heads,
+head_dim] and a row's positions map to blocks through its block table. Block 0 is the null block: writes of
+padding positions land there and it is never read as valid. GDN layers keep, per cache slot, a conv state
+[conv_dim, kernel - 1] (model dtype) and a recurrent state [HV, K, V] (always float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..nki import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
+from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
+
+NULL_BLOCK = 0
+
+
+class Qwen36RMSNorm(nn.Module):
+    """RMSNorm with the (1 + weight) scale Qwen3.5 uses for its layer, final and q/k norms."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class Qwen36GatedRMSNorm(nn.Module):
+    """The GDN output norm: plain weight, then multiplied by SiLU(gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+
+
+class Qwen36MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head; x: [B, T, heads, D], cos/sin: [B, T, rot]."""
+    rot = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Qwen36Attention(nn.Module):
+    """Gated GQA attention over the paged KV cache.
+
+    `q_proj` holds, per head, the query and an output gate side by side:
+    [h0 query | h0 gate | h1 query | ...].
+    """
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        attend: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [B, T, hidden]; write_slots [B, T] flat cache slots for this step's K/V;
+        block_tables [B, max_blocks]; attend [B, T, S] bool, S = max_blocks * block_size;
+        key_cache/value_cache [num_blocks, block_size, kv_heads, head_dim] of this layer, updated in place."""
+        batch, seq, _ = hidden.shape
+        query, gate = self.q_proj(hidden).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = apply_partial_rotary(self.q_norm(query), cos, sin)
+        key = self.k_norm(self.k_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim))
+        key = apply_partial_rotary(key, cos, sin)
+        value = self.v_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim)
+
+        flat_slots = write_slots.reshape(-1)
+        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, flat_slots, key.reshape(-1, self.num_kv_heads, self.head_dim)
+        )
+        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, flat_slots, value.reshape(-1, self.num_kv_heads, self.head_dim)
+        )
+        # Gather each row's blocks into a contiguous [B, S, kv_heads, D] view of its sequence.
+        keys = key_cache[block_tables].flatten(1, 2)
+        values = value_cache[block_tables].flatten(1, 2)
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=attend.unsqueeze(1),
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(batch, seq, -1) * torch.sigmoid(gate.reshape(batch, seq, -1))
+        return self.o_proj(out)
+
+
+class Qwen36GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (linear recurrent attention)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = Qwen36GatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
+        beta = self.in_proj_b(hidden).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        return self.in_proj_qkv(hidden).transpose(1, 2), self.in_proj_z(hidden), beta, g
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, seq, _ = mixed.shape
+        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            query.reshape(batch, seq, self.num_k_heads, self.head_k_dim),
+            key.reshape(batch, seq, self.num_k_heads, self.head_k_dim),
+            value.reshape(batch, seq, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        batch, seq = z.shape[:2]
+        z = z.reshape(batch, seq, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(core, z).reshape(batch, seq, self.value_dim))
+
+    def prefill(
+        self,
+        hidden: torch.Tensor,
+        valid: torch.Tensor,
+        num_valid: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [1, C, hidden], valid [1, C] bool, states of the sequence's slot ([1, ...]).
+        Returns the output and the new conv and recurrent states at the valid end of the chunk."""
+        mixed, z, beta, g = self._project(hidden)
+        mixed, new_conv_state = causal_conv1d_fn(
+            mixed,
+            self.conv1d.weight.squeeze(1),
+            activation="silu",
+            initial_state=conv_state,
+            valid_length=num_valid.reshape(1),
+        )
+        query, key, value = self._split_heads(mixed.transpose(1, 2))
+        # Padding positions neither decay nor write the state (g = 0, beta = 0): the final state is the one
+        # at the last valid token, exactly.
+        beta = beta * valid.unsqueeze(-1)
+        g = g * valid.unsqueeze(-1)
+        core, new_recurrent_state = chunk_gated_delta_rule(
+            query, key, value, g, beta,
+            initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        return self._output(core, z), new_conv_state, new_recurrent_state
+
+    def decode(
+        self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, 1, hidden], states of slots 0..B-1. Returns the output and the new states."""
+        mixed, z, beta, g = self._project(hidden)
+        mixed, new_conv_state = causal_conv1d_update(
+            mixed, conv_state, self.conv1d.weight.squeeze(1), activation="silu"
+        )
+        query, key, value = self._split_heads(mixed.transpose(1, 2))
+        core, new_recurrent_state = fused_recurrent_gated_delta_rule(
+            query, key, value, g, beta,
+            initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        return self._output(core, z), new_conv_state, new_recurrent_state
+
+
+class Qwen36DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = Qwen36GatedDeltaNet(config)
+        else:
+            self.self_attn = Qwen36Attention(config)
+        self.mlp = Qwen36MLP(config)
+        self.input_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def feed_forward(self, hidden: torch.Tensor, mixer_out: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + mixer_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen36TextModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen36DecoderLayer(config, t) for t in config.layer_types)
+        self.norm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Qwen36ForCausalLM(nn.Module):
+    """The static-shape model. Parameter names are those of transformers' `Qwen3_5ForCausalLM`."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen36TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
+        # Per layer, its index among the attention layers or among the GDN layers (the cache's first dim).
+        self.cache_index = []
+        counts = {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
+        for layer_type in config.layer_types:
+            self.cache_index.append(counts[layer_type])
+            counts[layer_type] += 1
+
+    @staticmethod
+    def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:
+        """RoPE frequencies of the rotated dims. Text-only positions make Qwen3.5's interleaved mRoPE (three
+        sections fed the same position) identical to ordinary 1-D RoPE on those dims."""
+        rot = rotary_dim(config)
+        theta = config.rope_parameters["rope_theta"]
+        return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _slots(self, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Flat cache slot of each position: block_tables[b, pos // bs] * bs + pos % bs (bs = block_size)."""
+        blocks = torch.gather(block_tables, 1, positions // block_size)
+        return blocks * block_size + positions % block_size
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def prefill_chunk(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        slot: torch.Tensor,
+        block_table: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run C tokens of the sequence in cache slot `slot`, at positions start_pos..start_pos+C-1.
+
+        input_ids [1, C]; start_pos, num_valid, slot: int64 scalars; block_table [max_blocks] (int64).
+        Returns the float32 logits of the last valid token, [1, vocab]."""
+        chunk = input_ids.shape[1]
+        block_size = key_cache.shape[2]
+        offsets = torch.arange(chunk, device=input_ids.device)
+        positions = (start_pos + offsets).unsqueeze(0)
+        valid = (offsets < num_valid).unsqueeze(0)
+        block_tables = block_table.unsqueeze(0)
+        # Padding positions write into the null block (spread over its slots) instead of the row's blocks.
+        null_slots = NULL_BLOCK * block_size + offsets.unsqueeze(0) % block_size
+        max_pos = block_tables.shape[1] * block_size - 1
+        write_slots = torch.where(
+            valid, self._slots(positions.clamp(max=max_pos), block_tables, block_size), null_slots
+        )
+        key_positions = torch.arange(max_pos + 1, device=input_ids.device)
+        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        slot_index = slot.reshape(1)
+        for layer, cache_idx in zip(self.model.layers, self.cache_index, strict=True):
+            normed = layer.input_layernorm(hidden)
+            if layer.layer_type == LINEAR_ATTENTION:
+                out, new_conv, new_recurrent = layer.linear_attn.prefill(
+                    normed,
+                    valid,
+                    num_valid,
+                    conv_state[cache_idx].index_select(0, slot_index),
+                    recurrent_state[cache_idx].index_select(0, slot_index),
+                )
+                conv_state[cache_idx].index_copy_(0, slot_index, new_conv.to(conv_state.dtype))
+                recurrent_state[cache_idx].index_copy_(0, slot_index, new_recurrent)
+            else:
+                out = layer.self_attn(
+                    normed, cos, sin, write_slots, block_tables, attend,
+                    key_cache[cache_idx], value_cache[cache_idx],
+                )  # fmt: skip
+            hidden = layer.feed_forward(hidden, out)
+        last = hidden.index_select(1, (num_valid - 1).reshape(1))
+        return self._logits(last).squeeze(1)
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token for every row: input_ids [B, 1], positions [B] (int64), block_tables [B, max_blocks].
+        Row b uses GDN cache slot b. Returns float32 logits [B, vocab]."""
+        block_size = key_cache.shape[2]
+        positions = positions.unsqueeze(1)
+        write_slots = self._slots(positions, block_tables, block_size)
+        key_positions = torch.arange(block_tables.shape[1] * block_size, device=input_ids.device)
+        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        for layer, cache_idx in zip(self.model.layers, self.cache_index, strict=True):
+            normed = layer.input_layernorm(hidden)
+            if layer.layer_type == LINEAR_ATTENTION:
+                out, new_conv, new_recurrent = layer.linear_attn.decode(
+                    normed, conv_state[cache_idx], recurrent_state[cache_idx]
+                )
+                conv_state[cache_idx].copy_(new_conv)
+                recurrent_state[cache_idx].copy_(new_recurrent)
+            else:
+                out = layer.self_attn(
+                    normed, cos, sin, write_slots, block_tables, attend,
+                    key_cache[cache_idx], value_cache[cache_idx],
+                )  # fmt: skip
+            hidden = layer.feed_forward(hidden, out)
+        return self._logits(hidden).squeeze(1)

@@ -1,0 +1,118 @@
+"""The export settings of a compiled (or eager) hybrid model, stored as `neuron_config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+NEURON_CONFIG_NAME = "neuron_config.json"
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_BACKENDS = ("eager", "cpu", "cuda", "neuron")
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Normalise `torch.bfloat16`, "bf16", "torch.bfloat16"... to one of SUPPORTED_DTYPES' keys."""
+    name = str(dtype).removeprefix("torch.")
+    name = {
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "float": "float32",
+    }.get(name, name)
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"Unsupported dtype {dtype!r}: choose one of {sorted(SUPPORTED_DTYPES)}.")
+    return name
+
+
+@dataclasses.dataclass
+class Qwen36NeuronConfig:
+    """Static shapes and settings a model is exported with.
+
+    Field names follow optimum-neuron where they exist (`batch_size`, `sequence_length`, `tp_degree`,
+    `checkpoint_id`, `checkpoint_revision`). Every compiled graph is specialised on these values.
+    """
+
+    batch_size: int = 1
+    # Compiled maximum of prompt + new tokens per row.
+    sequence_length: int = 4096
+    # Tokens per prefill step; a prompt is processed as a sequence of such chunks.
+    prefill_chunk_size: int = 256
+    # Attention KV is paged in blocks of this many tokens (the GDN kernels' chunk size divides it).
+    kv_block_size: int = 64
+    dtype: str = "bfloat16"
+    backend: str = "eager"
+    tp_degree: int = 1
+    recurrent_state_dtype: str = "float32"
+    checkpoint_id: str | None = None
+    checkpoint_revision: str | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype)
+        self.recurrent_state_dtype = dtype_name(self.recurrent_state_dtype)
+        for name in ("batch_size", "sequence_length", "prefill_chunk_size", "kv_block_size", "tp_degree"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Qwen36NeuronConfig.{name} must be a positive integer, got {value!r}.")
+        if self.backend not in SUPPORTED_BACKENDS:
+            raise ValueError(f"Unknown backend {self.backend!r}: choose one of {SUPPORTED_BACKENDS}.")
+        if self.recurrent_state_dtype != "float32":
+            raise ValueError(
+                "recurrent_state_dtype must be float32: the Gated DeltaNet state accumulates over the whole "
+                "sequence and lower precision changes greedy tokens."
+            )
+        if self.kv_block_size % 16 != 0:
+            raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}.")
+        if self.prefill_chunk_size > self.sequence_length:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) cannot exceed sequence_length "
+                f"({self.sequence_length})."
+            )
+        if self.tp_degree != 1 and self.backend != "neuron":
+            raise ValueError(
+                f"tp_degree={self.tp_degree} needs backend='neuron'; the {self.backend} backend runs "
+                "tp_degree=1."
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_sequence(self) -> int:
+        return -(-self.sequence_length // self.kv_block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Qwen36NeuronConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"{NEURON_CONFIG_NAME} has fields this version of optimum-qwen36 does not know: {unknown}. "
+                "It was written by a newer version: upgrade optimum-qwen36 or re-export the model."
+            )
+        return cls(**values)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        with open(os.path.join(directory, NEURON_CONFIG_NAME), "w") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Qwen36NeuronConfig:
+        path = os.path.join(directory, NEURON_CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{directory} has no {NEURON_CONFIG_NAME}: it is not an exported optimum-qwen36 model. "
+                "To export a transformers checkpoint, call from_pretrained(..., export=True)."
+            )
+        with open(path) as f:
+            return cls.from_dict(json.load(f))

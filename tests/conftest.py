@@ -1,0 +1,92 @@
+"""Tiny random Qwen3.5/3.6 checkpoints, saved with transformers, for tests that compare against it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+)
+
+# Keep tests reproducible and light on a 2-core machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_TEXT_CONFIG: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_text_config(**overrides: Any) -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(**{**TINY_TEXT_CONFIG, **overrides})
+
+
+@torch.no_grad()
+def strengthen_decays(model: torch.nn.Module, seed: int) -> None:
+    """Real Qwen3.6 gates decay much faster than transformers' init: exp(A_log) up to 16 and large
+    softplus inputs (dt_bias up to 6) give per-token log decays of tens, far below the defaults."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            n = module.A_log.numel()
+            module.A_log.copy_(torch.empty(n).uniform_(0.0, 2.77, generator=generator))  # exp: 1..16
+            module.dt_bias.copy_(torch.empty(n).uniform_(-2.0, 6.0, generator=generator))
+        if type(module).__name__.endswith("RMSNorm") and not type(module).__name__.endswith("Gated"):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.2)
+
+
+def save_tiny_checkpoint(
+    directory: Path, layout: str = "causal", seed: int = 0, **overrides: Any
+) -> tuple[Path, torch.nn.Module]:
+    """Build a random transformers model (layout "causal" = Qwen3_5ForCausalLM, "conditional" =
+    Qwen3_5ForConditionalGeneration with a tiny vision tower), save it, return (dir, fp32 model)."""
+    torch.manual_seed(seed)
+    text_config = tiny_text_config(**overrides)
+    if layout == "causal":
+        model = Qwen3_5ForCausalLM(text_config)
+    elif layout == "conditional":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        config = Qwen3_5Config(
+            text_config=text_config.to_dict(),
+            vision_config=vision,
+            tie_word_embeddings=text_config.tie_word_embeddings,
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        raise ValueError(layout)
+    strengthen_decays(model, seed)
+    model.eval()
+    model.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module]]:
+    """Factory: tiny_checkpoint(layout="causal", seed=0, **config_overrides) -> (dir, transformers model)."""
+    counter = iter(range(1000))
+
+    def make(layout: str = "causal", seed: int = 0, **overrides: Any) -> tuple[Path, torch.nn.Module]:
+        return save_tiny_checkpoint(tmp_path / f"ckpt{next(counter)}", layout, seed, **overrides)
+
+    return make
