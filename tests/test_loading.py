@@ -147,3 +147,27 @@ def test_push_to_hub_uploads_the_saved_folder(tiny_checkpoint, tmp_path: Path) -
     assert [c[0] for c in calls] == ["create_repo", "create_branch", "upload_folder"]
     assert calls[0][1]["repo_id"] == "me/tiny-qwen36" and calls[0][1]["private"] is True
     assert calls[2][1]["folder_path"] == str(tmp_path / "out") and calls[2][1]["revision"] == "v1"
+
+
+def test_hub_id_is_downloaded_with_safetensors_patterns(tiny_checkpoint, monkeypatch) -> None:
+    path, _ = tiny_checkpoint("causal")
+    requests: list[dict] = []
+
+    def fake_snapshot_download(repo_id: str, **kwargs) -> str:
+        requests.append({"repo_id": repo_id, **kwargs})
+        return str(path)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        "someone/tiny-qwen36", export=True, revision="main", batch_size=1, sequence_length=64, dtype="float32"
+    )
+    assert model.neuron_config.checkpoint_id == "someone/tiny-qwen36"
+    assert requests[0]["repo_id"] == "someone/tiny-qwen36" and requests[0]["revision"] == "main"
+    assert "*.safetensors" in requests[0]["allow_patterns"] and "*.bin" not in requests[0]["allow_patterns"]
+
+    def offline(repo_id: str, **kwargs) -> str:
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    with pytest.raises(OSError, match="neither a local directory nor a Hub repository"):
+        NeuronQwen36ForCausalLM.from_pretrained("someone/tiny-qwen36", export=True)
