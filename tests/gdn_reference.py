@@ -15,8 +15,10 @@ def reference_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
+    state_positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 recurrence. Returns (o [B, T, HV, V], states [B, T, HV, K, V]: the state after each token)."""
+    """Float64 recurrence. Returns (o [B, T, HV, V], states [B, P, HV, K, V]): the states after tokens
+    state_positions (0-based; default: only the last token, keeping all of them costs T states)."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     batch, seq_len, num_k_heads, k_dim = k.shape
     num_v_heads, v_dim = v.shape[-2:]
@@ -28,15 +30,17 @@ def reference_gated_delta_rule(
     state = torch.zeros(batch, num_v_heads, k_dim, v_dim, dtype=torch.float64)
     if initial_state is not None:
         state = initial_state.double().clone()
-    outputs, states = [], []
+    keep = {seq_len - 1} if state_positions is None else set(state_positions)
+    outputs, states = [], {}
     for t in range(seq_len):
         state = state * g[:, t].exp()[..., None, None]
-        kv_mem = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        kv_mem = (k[:, t].unsqueeze(-2) @ state).squeeze(-2)
         delta = beta[:, t, :, None] * (v[:, t] - kv_mem)
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-        states.append(state)
-    return torch.stack(outputs, 1), torch.stack(states, 1)
+        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
+        if t in keep:
+            states[t] = state
+    return torch.stack(outputs, 1), torch.stack([states[t] for t in sorted(keep)], 1)
 
 
 def reference_causal_conv1d(

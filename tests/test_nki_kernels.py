@@ -3,27 +3,24 @@ is installed), against the float64 recurrence and the PyTorch twins."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from gdn_reference import make_gdn_inputs, max_rel_error, reference_gated_delta_rule
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-import optimum_qwen36.nki as gdn_ops
-from optimum_qwen36.nki.chunk_gated_delta_rule_torch import chunk_gated_delta_rule_torch
 from optimum_qwen36.nki.interpreter import nki_modules
-
-# The kernel modules share their names with the package's public functions: importing them rebinds
-# those package attributes to the modules, so load them by name and put the functions back.
-_public = {name: getattr(gdn_ops, name) for name in gdn_ops.__all__}
-chunk_module = importlib.import_module("optimum_qwen36.nki.chunk_gated_delta_rule")
-recurrent_module = importlib.import_module("optimum_qwen36.nki.fused_recurrent_gated_delta_rule")
-vars(gdn_ops).update(_public)
+from optimum_qwen36.nki.kernels import chunk_gated_delta_rule as chunk_module
+from optimum_qwen36.nki.kernels import fused_recurrent_gated_delta_rule as recurrent_module
+from optimum_qwen36.nki.kernels.chunk_gated_delta_rule_torch import chunk_gated_delta_rule_torch
 
 nki, _, _ = nki_modules()
 CHUNK = chunk_module.CHUNK
 PREFILL_TOL = 1e-4
+TWIN_TOL = 1e-5  # kernel and twin run the same scheme: they differ by float32 rounding only
 DECODE_TOL = 1e-5
+# Weak decays, strongly correlated keys and beta near 1 (as in tests/test_gdn_ops.py): the worst-conditioned
+# intra-chunk system, where 16x16 nilpotent doubling exceeds PREFILL_TOL.
+HARD = {"a_log_max": -1.0, "softplus_max": -3.0, "key_correlation": 0.95, "beta_range": (0.8, 1.0)}
 
 
 def run_chunk(inputs: dict, **kwargs: object) -> tuple[torch.Tensor, ...]:
@@ -48,14 +45,16 @@ def check_prefill(inputs: dict, tol: float = PREFILL_TOL, l2norm: bool = False, 
         inputs, initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
         output_chunk_states=True,
     )  # fmt: skip
-    ref_o, ref_states = reference_gated_delta_rule(**inputs, initial_state=state0, use_qk_l2norm=l2norm)
     seq_len = inputs["v"].shape[1]
     ends = [min(end, seq_len) - 1 for end in range(CHUNK, seq_len + CHUNK, CHUNK)]
+    ref_o, ref_states = reference_gated_delta_rule(
+        **inputs, initial_state=state0, use_qk_l2norm=l2norm, state_positions=ends
+    )
     assert o.shape == inputs["v"].shape and o.dtype == inputs["v"].dtype
     assert chunk_states.shape == (o.shape[0], len(ends), *ref_states.shape[2:])
     assert max_rel_error(o, ref_o) <= tol
     assert max_rel_error(final, ref_states[:, -1]) <= tol
-    assert max_rel_error(chunk_states, ref_states[:, ends]) <= tol
+    assert max_rel_error(chunk_states, ref_states) <= tol
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 200])
@@ -71,6 +70,23 @@ def test_prefill_strong_decays_and_correlated_keys() -> None:
     inputs["g"][:, 70:75] = -300.0
     assert inputs["g"].min() < -250
     check_prefill(inputs)
+
+
+def test_prefill_hard_inputs_at_per_rank_shapes() -> None:
+    # Qwen3.6-27B per-rank GDN heads at TP=4: 4 key heads, 12 value heads, K = V = 128.
+    inputs = make_gdn_inputs(1, 200, 4, 12, seed=3, **HARD)
+    state0 = 0.1 * initial_state(inputs)
+    o, final = run_chunk(inputs, initial_state=state0, output_final_state=True)
+    ref_o, ref_states = reference_gated_delta_rule(**inputs, initial_state=state0)
+    twin_o, twin_final = chunk_gated_delta_rule_torch(
+        **inputs, scale=inputs["k"].shape[-1] ** -0.5, initial_state=state0, output_final_state=True
+    )
+    hf_o = torch_chunk_gated_delta_rule(*inputs.values(), initial_state=state0)[0]
+    err, hf_err = max_rel_error(o, ref_o), max_rel_error(hf_o, ref_o)
+    # "No worse than transformers": within a factor 2 of its error, as for the twin in test_gdn_ops.
+    assert err <= PREFILL_TOL and err <= 2 * hf_err, (err, hf_err)
+    assert max_rel_error(final, ref_states[:, -1]) <= PREFILL_TOL
+    assert max_rel_error(o, twin_o) <= TWIN_TOL and max_rel_error(final, twin_final) <= TWIN_TOL
 
 
 def test_prefill_l2norm_in_kernel_without_initial_state() -> None:
@@ -90,7 +106,7 @@ def test_prefill_matches_pytorch_twin() -> None:
     ours = run_chunk(inputs, **kwargs)
     twin = chunk_gated_delta_rule_torch(**inputs, scale=inputs["k"].shape[-1] ** -0.5, **kwargs)
     for actual, expected in zip(ours, twin, strict=True):
-        assert max_rel_error(actual, expected) <= PREFILL_TOL
+        assert max_rel_error(actual, expected) <= TWIN_TOL
 
 
 def test_prefill_optional_outputs_and_chunk_size() -> None:

@@ -7,6 +7,7 @@ recurrent states [B, HV, K, V] float32. o has v's dtype.
 Tensors on the ``neuron`` device go to the NKI kernels through ``optimum_qwen36.nki.neuron_ops``
 (imported lazily, needs torch-neuronx + nki); everything else runs the PyTorch twins, which are
 written to compile through Inductor / torch.export (static shapes, no data-dependent control flow).
+Kernels and twins live in :mod:`optimum_qwen36.nki.kernels` (``x.py`` beside ``x_torch.py``).
 See docs/GDN_KERNELS.md for the algorithm and its accuracy.
 """
 
@@ -16,11 +17,11 @@ from types import ModuleType
 
 import torch
 
-# Modules, not functions, are imported so that the package attributes named after the twin modules
-# stay the modules (tests and the NKI side import them by name).
-from optimum_qwen36.nki import causal_conv1d_torch as _conv_torch
-from optimum_qwen36.nki import chunk_gated_delta_rule_torch as _chunk_torch
-from optimum_qwen36.nki import fused_recurrent_gated_delta_rule_torch as _recurrent_torch
+from optimum_qwen36.nki.kernels.causal_conv1d_torch import ACTIVATIONS, causal_conv1d_torch
+from optimum_qwen36.nki.kernels.chunk_gated_delta_rule_torch import chunk_gated_delta_rule_torch
+from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import (
+    fused_recurrent_gated_delta_rule_torch,
+)
 
 __all__ = [
     "causal_conv1d_fn",
@@ -38,9 +39,6 @@ def _neuron_ops() -> ModuleType:
             "Gated DeltaNet ops on the 'neuron' device need the Neuron SDK (torch-neuronx + nki, from the "
             "AWS Neuron pip repository, not PyPI)."
         ) from err
-    # Importing the kernel submodules `chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule`
-    # rebinds these package attributes to the submodules: put the public functions back.
-    globals().update(_PUBLIC)
     return neuron_ops
 
 
@@ -118,7 +116,7 @@ def chunk_gated_delta_rule(
     )
     if q.device.type == "neuron":
         return _neuron_ops().chunk_gated_delta_rule(*args)
-    return _chunk_torch.chunk_gated_delta_rule_torch(*args)
+    return chunk_gated_delta_rule_torch(*args)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -138,7 +136,7 @@ def fused_recurrent_gated_delta_rule(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
     if q.device.type == "neuron":
         return _neuron_ops().fused_recurrent_gated_delta_rule(*args)
-    return _recurrent_torch.fused_recurrent_gated_delta_rule_torch(*args)
+    return fused_recurrent_gated_delta_rule_torch(*args)
 
 
 def _check_conv_inputs(
@@ -156,8 +154,8 @@ def _check_conv_inputs(
         raise ValueError(f"weight must be [D={channels}, W], got {tuple(weight.shape)}")
     if bias is not None and bias.shape != (channels,):
         raise ValueError(f"bias must be [D={channels}], got {tuple(bias.shape)}")
-    if activation not in _conv_torch.ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_conv_torch.ACTIVATIONS}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     state_shape = (batch, channels, weight.shape[1] - 1)
     if state is not None and state.shape != state_shape:
         raise ValueError(f"{state_name} must be [B, D, W-1] = {state_shape}, got {tuple(state.shape)}")
@@ -183,7 +181,7 @@ def causal_conv1d_fn(
             f"valid_length must be an integer tensor [B={x.shape[0]}], got {valid_length.dtype} "
             f"{tuple(valid_length.shape)}"
         )
-    return _conv_torch.causal_conv1d_torch(x, weight, bias, activation, initial_state, valid_length)
+    return causal_conv1d_torch(x, weight, bias, activation, initial_state, valid_length)
 
 
 def causal_conv1d_update(
@@ -200,7 +198,4 @@ def causal_conv1d_update(
     if x.dim() != 3 or x.shape[-1] != 1:
         raise ValueError(f"x must be [B, D, 1], got {tuple(x.shape)}")
     _check_conv_inputs(x, weight, bias, activation, conv_state, "conv_state")
-    return _conv_torch.causal_conv1d_torch(x, weight, bias, activation, conv_state)
-
-
-_PUBLIC = {name: globals()[name] for name in __all__}
+    return causal_conv1d_torch(x, weight, bias, activation, conv_state)

@@ -11,8 +11,6 @@ Nothing here has run on Neuron hardware yet (see docs/NKI.md).
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 try:  # the PyPI packages named torch-neuronx / nki are placeholders that raise on import
@@ -25,11 +23,8 @@ except Exception as err:
     ) from err
 
 from optimum_qwen36.nki.interpreter import real_nki_available
-
-# The kernel modules share their names with the package's public functions, so `from optimum_qwen36.nki
-# import chunk_gated_delta_rule` would return the function: load the modules themselves.
-_chunk = importlib.import_module("optimum_qwen36.nki.chunk_gated_delta_rule")
-_recurrent = importlib.import_module("optimum_qwen36.nki.fused_recurrent_gated_delta_rule")
+from optimum_qwen36.nki.kernels import chunk_gated_delta_rule as _chunk
+from optimum_qwen36.nki.kernels import fused_recurrent_gated_delta_rule as _recurrent
 
 if not real_nki_available():  # e.g. OPTIMUM_QWEN36_NKI_INTERPRETER=1: the kernels were built for numpy
     raise ImportError("the NKI kernels are bound to the numpy interpreter (OPTIMUM_QWEN36_NKI_INTERPRETER=1)")

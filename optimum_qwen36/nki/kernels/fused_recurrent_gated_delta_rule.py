@@ -1,7 +1,7 @@
 """NKI recurrent (decode) kernel of the gated delta rule, and its thin torch wrapper.
 
 Per value head the float32 state S [K, V] sits in SBUF with K on the partitions; each token applies
-the recurrence of the PyTorch twin (:mod:`optimum_qwen36.nki.fused_recurrent_gated_delta_rule_torch`):
+the recurrence of the PyTorch twin (:mod:`optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch`):
 
     S <- exp(g) S;  delta = beta (v - k^T S);  S <- S + k delta^T;  o = q^T S   (q pre-scaled)
 
@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from optimum_qwen36.nki.chunk_gated_delta_rule import (
+from optimum_qwen36.nki.interpreter import nki_modules
+from optimum_qwen36.nki.kernels.chunk_gated_delta_rule import (
     evict,
     load_rows,
     matmul_to_sbuf,
@@ -32,7 +33,6 @@ from optimum_qwen36.nki.chunk_gated_delta_rule import (
     store_rows,
     transpose_to_sbuf,
 )
-from optimum_qwen36.nki.interpreter import nki_modules
 
 nki, nl, nisa = nki_modules()
 
@@ -115,7 +115,7 @@ def fused_recurrent_gated_delta_rule(
     """The public fused_recurrent_gated_delta_rule contract (FLA layout) on top of the kernel.
 
     ``launch(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)`` runs the kernel (see
-    :func:`optimum_qwen36.nki.chunk_gated_delta_rule.chunk_gated_delta_rule`).
+    :func:`optimum_qwen36.nki.kernels.chunk_gated_delta_rule.chunk_gated_delta_rule`).
     """
     batch, _, _, k_dim = k.shape
     num_v_heads, v_dim = v.shape[-2:]

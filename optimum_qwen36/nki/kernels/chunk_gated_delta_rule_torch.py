@@ -1,23 +1,22 @@
 """PyTorch twin of the chunked (prefill) gated delta rule kernel.
 
 Chunked WY/UT form, written so that it is stable for any decay and maps onto NKI tiling (chunk 64,
-K = V = 128, all matmuls at most 128 x 128 x 128 per chunk and head):
+K = V = 128: per chunk and head every matmul contracts over <= 128 with <= 128 output rows):
 
 * Decays only enter as pairwise differences exp(c_i - c_j) (c = in-chunk cumsum of g), masked to -inf
   before the exp where i < j, plus exp(c_i), all <= 1. Nothing can overflow. c_i - c_j is summed
   directly over the tokens between j and i, not subtracted (cancellation with strong decays).
 * The unit-lower-triangular system (I + A) is inverted exactly and stably: the base_block diagonal
   blocks are nilpotent ((I + N)^-1 = I - N for 2x2 blocks), then neighbouring blocks are merged level
-  by level (block forward substitution, batched as full-chunk masked matmuls). No long power series:
+  by level (block forward substitution, all pairs of a level at once). No long power series:
   a full-chunk Neumann product reaches 1e13+ in fp32 with real gates, and even 16x16 nilpotent doubling
-  loses 1.5 digits with correlated keys (docs/GDN_KERNELS.md has the measurements).
-* Everything that does not depend on the carried state is batched over all chunks:
-  W = T diag(beta e^c) k, U = T diag(beta) v, q_eff = q e^c - attn W, o_intra = attn U.
-  The sequential loop per chunk is then two matmul-adds:
-  [v_new; o] = [U; o_intra] - [W; -q_eff] S  ([2C, K] @ [K, V]),
-  S <- e^(c_last) S + (k e^(c_last - c))^T v_new  ([K, C] @ [C, V]).
-* QK^T and KK^T are computed once per key head; W = (T diag(beta e^c)) k multiplies the r value heads'
-  [r*C, C] rows against the shared key block, so repeat_interleave'd q/k are never materialised.
+  loses 2 digits with correlated keys (docs/GDN_KERNELS.md has the measurements).
+* Everything that does not depend on the carried state is batched over all chunks: one matmul
+  T diag(beta) @ [v | e^c k] = [U | W] solves both right-hand sides. The sequential loop per chunk is
+  then three matmuls: [W; q e^c] S ([2C, K] @ [K, V]); v_new = U - W S; o = q e^c S + attn v_new;
+  S <- e^(c_last) S + (k e^(c_last - c))^T v_new.
+* QK^T and KK^T are computed once per key head and broadcast over its r value heads; repeat_interleave'd
+  q/k are never materialised.
 
 Inputs are assumed validated by :mod:`optimum_qwen36.nki`; all arithmetic and states are float32.
 """
@@ -27,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from optimum_qwen36.nki.fused_recurrent_gated_delta_rule_torch import prepare_qk
+from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import prepare_qk
 
 DEFAULT_BASE_BLOCK = 2
 
@@ -51,7 +50,8 @@ def invert_unit_lower(a: torch.Tensor, base_block: int = DEFAULT_BASE_BLOCK) -> 
     exact product (I - N)(I + N^2)...(I + N^(base_block/2)) (just I - N for the default 2x2 blocks).
     Neighbouring blocks are then merged level by level, all pairs of a level at once:
     [[Ta, 0], [L, Tb]]^-1 = [[Ta, 0], [-Tb L Ta, Tb]] (block forward substitution). On a matmul
-    engine the same merge is D - D L D with full-size masked matmuls (exact, since (D L)^2 = 0).
+    engine the same merge is D - D L D with full-size masked matmuls (exact, since (D L)^2 = 0): that
+    is how the NKI kernel (:mod:`optimum_qwen36.nki.kernels.chunk_gated_delta_rule`) runs it.
     """
     chunk = a.shape[-1]
     n = _diagonal_blocks(a, base_block)  # [..., C/base, base, base]
@@ -107,7 +107,6 @@ def chunk_gated_delta_rule_torch(
     q, k = (x.view(batch, num_chunks, chunk_size, num_k_heads, k_dim).permute(1, 0, 3, 2, 4) for x in (q, k))
     q, k = q.contiguous(), k.contiguous()
     v = v.view(batch, num_chunks, chunk_size, num_k_heads, group, v_dim).permute(1, 0, 3, 4, 2, 5)
-    v = v.contiguous()
     g, beta = (
         x.view(batch, num_chunks, chunk_size, num_k_heads, group).permute(1, 0, 3, 4, 2).contiguous()
         for x in (g, beta)
@@ -126,38 +125,37 @@ def chunk_gated_delta_rule_torch(
     a = ((k @ k_t).unsqueeze(3) * decay * beta.unsqueeze(-1)).masked_fill(~strictly_causal, 0.0)
     attn = (q @ k_t).unsqueeze(3) * decay  # causal intra-chunk attention, diagonal included
     t_beta = invert_unit_lower(a, base_block) * beta.unsqueeze(-2)  # T diag(beta)
-    # Stack the two left operands each right-hand side needs, so every matmul has 2C rows:
-    # [T diag(beta); attn T diag(beta)] @ v = [U; o_intra].
-    lhs = torch.cat((t_beta, attn @ t_beta), dim=-2)  # [N, B, H, r, 2C, C]
-    uo = lhs @ v
-    # [W; attn W] = (lhs diag(e^c)) @ k, with the r value heads' rows against their shared key block.
     exp_cum = cum.exp()
-    wq = ((lhs * exp_cum.unsqueeze(-2)).flatten(3, 4) @ k).view(*chunked, group, 2 * chunk_size, k_dim)
-    # Lower half becomes attn W - q e^c = -q_eff, so one baddbmm gives [U - W S; o_intra + q_eff S].
-    wq[..., chunk_size:, :].sub_(q.unsqueeze(3) * exp_cum.unsqueeze(-1))
+    # One solve for both right-hand sides: [U | W] = T diag(beta) [v | e^c k].
+    u_w = t_beta @ torch.cat((v, (k.unsqueeze(3) * exp_cum.unsqueeze(-1))), dim=-1)
+    u = u_w[..., :v_dim]
+    # [W; q e^c] stacked so that one matmul per chunk reads the state for v_new and for the output.
+    w_q = torch.cat((u_w[..., v_dim:], q.unsqueeze(3) * exp_cum.unsqueeze(-1)), dim=-2)
     k_decayed_t = (k.unsqueeze(3) * decay[..., -1, :].unsqueeze(-1)).transpose(-1, -2)  # k exp(c_last - c)
     chunk_decay = cum[..., -1].exp()
 
     heads = batch * num_v_heads
-    uo, wq, k_decayed_t = (x.reshape(num_chunks, heads, *x.shape[-2:]) for x in (uo, wq, k_decayed_t))
+    u, w_q, attn, k_decayed_t = (
+        x.reshape(num_chunks, heads, *x.shape[-2:]) for x in (u, w_q, attn, k_decayed_t)
+    )
     chunk_decay = chunk_decay.reshape(num_chunks, heads, 1, 1)
     if initial_state is None:
         state = torch.zeros(heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
     else:
         state = initial_state.float().reshape(heads, k_dim, v_dim)
     outputs, states = [], []
-    for n in range(num_chunks):  # the only sequential part: two matmul-adds per chunk
-        v_new_o = torch.baddbmm(uo[n], wq[n], state, alpha=-1.0)  # [v_new; o]
-        outputs.append(v_new_o[:, chunk_size:])
-        state = torch.baddbmm(state * chunk_decay[n], k_decayed_t[n], v_new_o[:, :chunk_size])
+    for n in range(num_chunks):  # the only sequential part
+        reads = w_q[n] @ state  # [W S; q e^c S]
+        v_new = u[n] - reads[:, :chunk_size]
+        outputs.append(torch.baddbmm(reads[:, chunk_size:], attn[n], v_new))
+        state = torch.baddbmm(state * chunk_decay[n], k_decayed_t[n], v_new)
         if output_chunk_states:
             states.append(state)
 
     o = torch.stack(outputs).view(*chunked, group, chunk_size, v_dim).permute(1, 0, 4, 2, 3, 5)
-    o = o.to(out_dtype, memory_format=torch.contiguous_format)  # one pass: transpose + cast
-    o = o.view(batch, num_chunks * chunk_size, num_v_heads, v_dim)[:, :seq_len]
+    o = o.reshape(batch, num_chunks * chunk_size, num_v_heads, v_dim)[:, :seq_len].to(out_dtype)
     final = state.view(batch, num_v_heads, k_dim, v_dim) if output_final_state else None
     if not output_chunk_states:
         return o, final
-    chunk_states = torch.stack(states, dim=1).view(batch, num_v_heads, num_chunks, k_dim, v_dim)
-    return o, final, chunk_states.transpose(1, 2)
+    chunk_states = torch.stack(states).view(num_chunks, batch, num_v_heads, k_dim, v_dim).transpose(0, 1)
+    return o, final, chunk_states  # contiguous for B = 1
