@@ -51,6 +51,12 @@ class Qwen36NeuronConfig:
     recurrent_state_dtype: str = "float32"
     checkpoint_id: str | None = None
     checkpoint_revision: str | None = None
+    # Prefix caching (docs/PREFIX_CACHING.md): attention KV blocks and GDN state checkpoints reused across
+    # requests within prefix_cache_bytes; checkpoints at multiples of prefix_cache_granularity tokens.
+    prefix_caching: bool = False
+    prefix_cache_bytes: int = 4 * 2**30
+    prefix_cache_granularity: int = 64
+    prefix_cache_interval: int = 2048
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -59,6 +65,8 @@ class Qwen36NeuronConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Qwen36NeuronConfig.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}.")
         if self.backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}: choose one of {SUPPORTED_BACKENDS}.")
         if self.recurrent_state_dtype != "float32":

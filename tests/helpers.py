@@ -47,3 +47,51 @@ class CountingBackend:
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         self.decode_steps += 1
         return self.backend.decode_step(*args)
+
+
+class StubHubRepo:
+    """An offline stand-in for `huggingface_hub.HfApi` holding one model repository in a directory: the
+    methods the Hub compile cache calls, recording each call."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def files(self) -> list[str]:
+        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+
+    def file_exists(self, repo_id: str, filename: str, **kwargs: Any) -> bool:
+        self.calls.append(("file_exists", {"repo_id": repo_id, "filename": filename, **kwargs}))
+        return (self.root / filename).is_file()
+
+    def snapshot_download(
+        self, repo_id: str, *, allow_patterns: list[str], local_dir: str, **kwargs: Any
+    ) -> str:
+        import fnmatch
+        import shutil
+
+        self.calls.append(
+            ("snapshot_download", {"repo_id": repo_id, "allow_patterns": allow_patterns, **kwargs})
+        )
+        for name in self.files():
+            if any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns):
+                target = Path(local_dir) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.root / name, target)
+        return local_dir
+
+    def create_repo(self, repo_id: str, **kwargs: Any) -> str:
+        self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, repo_id: str, folder_path: str, path_in_repo: str, **kwargs: Any) -> str:
+        import shutil
+
+        source = Path(folder_path)
+        sent = sorted(p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file())
+        self.calls.append(
+            ("upload_folder", {"repo_id": repo_id, "path_in_repo": path_in_repo, "files": sent, **kwargs})
+        )
+        shutil.copytree(source, self.root / path_in_repo, dirs_exist_ok=True)
+        return f"https://huggingface.co/{repo_id}/commit/0"

@@ -33,6 +33,7 @@ class Qwen36HybridCache(Cache):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        num_blocks: int | None = None,
     ) -> None:
         # The transformers base class keeps per-layer objects; this cache keeps stacked tensors instead.
         super().__init__(layers=[])
@@ -41,7 +42,8 @@ class Qwen36HybridCache(Cache):
         self.sequence_length = sequence_length
         self.block_size = block_size
         self.max_blocks_per_row = -(-sequence_length // block_size)
-        num_blocks = 1 + batch_size * self.max_blocks_per_row
+        # Prefix caching asks for more blocks: those beyond the rows' own hold cached prefixes.
+        num_blocks = num_blocks or 1 + batch_size * self.max_blocks_per_row
         n_attention = self.layer_types.count(FULL_ATTENTION)
         n_gdn = self.layer_types.count(LINEAR_ATTENTION)
         kv_shape = (n_attention, num_blocks, block_size, config.num_key_value_heads, config.head_dim)

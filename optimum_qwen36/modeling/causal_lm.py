@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -15,8 +16,13 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..exporters.base import EagerBackend, StepBackend
+from ..exporters import artifact
+from ..exporters.backends import COMPILED_DIR, create_backend
+from ..exporters.base import StepBackend
+from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
+from ..prefix_caching import PrefixCache
+from ..prefix_caching.runtime import PrefixCachedRun, build_prefix_cache
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 from ..tokenizer import has_tokenizer_files
 from .cache import Qwen36HybridCache
@@ -77,6 +83,13 @@ class NeuronModelForCausalLM:
         self.backend = backend
         self.generation_config = generation_config
         self.tokenizer_dir = tokenizer_dir
+        # With prefix caching, one KV cache lives as long as the model: its blocks hold the cached prefixes.
+        self.prefix_cache: PrefixCache | None = None
+        self._prefix_kv: Qwen36HybridCache | None = None
+        self._prefix_run: PrefixCachedRun | None = None
+        if neuron_config.prefix_caching:
+            self._prefix_kv = self.new_cache()
+            self.prefix_cache = build_prefix_cache(self._prefix_kv, neuron_config, config)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -102,6 +115,10 @@ class NeuronModelForCausalLM:
         prefill_chunk_size: int | None = None,
         kv_block_size: int = 64,
         tp_degree: int = 1,
+        prefix_caching: bool = False,
+        prefix_cache_bytes: int | None = None,
+        prefix_cache_granularity: int = 64,
+        prefix_cache_interval: int = 2048,
         revision: str | None = None,
         token: str | None = None,
     ) -> Qwen36NeuronConfig:
@@ -122,6 +139,10 @@ class NeuronModelForCausalLM:
             dtype=dtype_name(dtype),
             backend=backend,
             tp_degree=tp_degree,
+            prefix_caching=prefix_caching,
+            prefix_cache_granularity=prefix_cache_granularity,
+            prefix_cache_interval=prefix_cache_interval,
+            **({} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}),
             checkpoint_id=str(model_name_or_path),
             checkpoint_revision=revision,
         )
@@ -134,8 +155,13 @@ class NeuronModelForCausalLM:
         *,
         token: str | None = None,
         revision: str | None = None,
+        compile_cache: CompileCache | None = None,
+        compiled_dir: str | os.PathLike | None = None,
     ) -> NeuronModelForCausalLM:
-        """Build the model for `neuron_config.backend` from a transformers checkpoint (dir or Hub id)."""
+        """Build the model for `neuron_config.backend` from a transformers checkpoint (dir or Hub id).
+
+        Compiled backends take their graphs from `compile_cache` when it holds them (else compile and
+        store them there), or from `compiled_dir` (a verified artifact's graphs) without compiling."""
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
         config = load_config(checkpoint_dir)
         model_cls = cls._resolve_class(config)
@@ -150,16 +176,14 @@ class NeuronModelForCausalLM:
         )
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
-        backend = model_cls._create_backend(model, neuron_config)
-        return model_cls(text_config, neuron_config, model, backend, generation_config, tokenizer_dir)
-
-    @classmethod
-    def _create_backend(cls, model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> StepBackend:
-        if neuron_config.backend == "eager":
-            return EagerBackend(model)
-        raise NotImplementedError(
-            f"The {neuron_config.backend!r} backend is not available in this version; use backend='eager'."
+        backend = create_backend(
+            model,
+            neuron_config,
+            lambda device: cls.cache_for(text_config, neuron_config, device),
+            compiled_dir=None if compiled_dir is None else Path(compiled_dir),
+            cache=compile_cache,
         )
+        return model_cls(text_config, neuron_config, model, backend, generation_config, tokenizer_dir)
 
     @classmethod
     def from_pretrained(
@@ -169,33 +193,70 @@ class NeuronModelForCausalLM:
         export: bool = False,
         revision: str | None = None,
         token: str | None = None,
+        trust_compiled_code: bool = False,
+        compile_cache_dir: str | os.PathLike | None = None,
+        compile_cache_repo: str | None = None,
+        use_compile_cache: bool = True,
         **neuron_config_kwargs: Any,
     ) -> NeuronModelForCausalLM:
         """Load a saved model, or with `export=True` export a transformers checkpoint first
-        (`neuron_config_kwargs` as for `get_neuron_config`: batch_size, sequence_length, dtype, ...)."""
+        (`neuron_config_kwargs` as for `get_neuron_config`: batch_size, sequence_length, dtype, ...).
+
+        A saved compiled model is verified before use (sha256 of every file, versions, CPU ISA, tp degree).
+        Compiled graphs downloaded from the Hub are native code: loading them needs
+        `trust_compiled_code=True`. Exports reuse earlier compilations from the compile cache
+        (`compile_cache_dir`, default $OPTIMUM_QWEN36_CACHE or ~/.cache/optimum-qwen36) unless
+        `use_compile_cache=False`; with `compile_cache_repo` (default $OPTIMUM_QWEN36_CACHE_REPO), a Hub
+        repository backs that cache: local misses are downloaded from it (only with
+        `trust_compiled_code=True`, verified by sha256) and new compilations are uploaded to it."""
         if export:
             neuron_config = cls.get_neuron_config(
                 model_id, revision=revision, token=token, **neuron_config_kwargs
             )
-            return cls.export(model_id, neuron_config, revision=revision, token=token)
+            cache = None
+            if use_compile_cache:
+                trusted = trust_compiled_code
+                cache = make_compile_cache(
+                    compile_cache_dir, compile_cache_repo, trust_compiled_code=trusted, token=token
+                )
+            return cls.export(model_id, neuron_config, revision=revision, token=token, compile_cache=cache)
         if neuron_config_kwargs:
             raise ValueError(
                 f"Export settings {sorted(neuron_config_kwargs)} only apply with export=True; a saved model "
                 "keeps the settings it was exported with."
             )
-        directory = resolve_checkpoint(model_id, revision=revision, token=token)
+        directory, from_hub = artifact.resolve_artifact(model_id, revision=revision, token=token)
         neuron_config = Qwen36NeuronConfig.load(directory)
-        return cls.export(directory, neuron_config)
+        compiled = neuron_config.backend != "eager"
+        if compiled and from_hub and not trust_compiled_code:
+            raise artifact.UntrustedCodeError(
+                f"{model_id} holds graphs compiled for the {neuron_config.backend!r} backend: loading them "
+                "runs native code from the Hub. If you trust this repository, pass trust_compiled_code=True "
+                "(the files are still checked against the sha256 in its manifest)."
+            )
+        if compiled:
+            artifact.verify_artifact(directory, neuron_config.backend, neuron_config.tp_degree)
+        elif os.path.isfile(os.path.join(directory, artifact.MANIFEST_NAME)):
+            # No compiled code: the hashes matter, the versions that wrote it do not.
+            artifact.verify_files(directory, artifact.read_manifest(directory))
+        compiled_dir = os.path.join(directory, COMPILED_DIR) if compiled else None
+        return cls.export(directory, neuron_config, compiled_dir=compiled_dir)
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write config, neuron config, generation config, tokenizer and weights (safetensors shards)."""
+        """Write config, neuron config, generation config, tokenizer, weights (safetensors shards), the
+        compiled graphs, a model card and a manifest with the sha256 of every file."""
         os.makedirs(save_directory, exist_ok=True)
         self.config.save_pretrained(save_directory)
         self.neuron_config.save(save_directory)
         self.generation_config.save_pretrained(save_directory)
         self._save_weights(save_directory)
         self._save_tokenizer(save_directory)
+        if hasattr(self.backend, "save"):
+            self.backend.save(Path(save_directory))
+        artifact.write_model_card(save_directory, self.neuron_config)
+        # Last: it hashes every file written above.
+        artifact.write_manifest(save_directory, self.neuron_config.backend, self.neuron_config.tp_degree)
 
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
         state = {k: v for k, v in self.model.state_dict().items() if k in dict(self.model.named_parameters())}
@@ -238,9 +299,22 @@ class NeuronModelForCausalLM:
 
     # ------------------------------------------------------------------ generation
     def new_cache(self) -> Qwen36HybridCache:
-        nc = self.neuron_config
+        # Compiled backends keep the cache on their device (cpu, cuda, neuron), where it is updated in place.
+        return self.cache_for(self.config, self.neuron_config, getattr(self.backend, "device", "cpu"))
+
+    @staticmethod
+    def cache_for(config: PretrainedConfig, nc: Qwen36NeuronConfig, device: str = "cpu") -> Qwen36HybridCache:
+        """The cache generate() uses; compiled graphs are traced with its shapes."""
+        # Prefix caching: as many blocks again as the rows own, for the cached prefixes.
+        blocks = 1 + 2 * nc.batch_size * nc.max_blocks_per_sequence if nc.prefix_caching else None
         return Qwen36HybridCache(
-            self.config, nc.batch_size, nc.sequence_length, nc.kv_block_size, nc.torch_dtype
+            config,
+            nc.batch_size,
+            nc.sequence_length,
+            nc.kv_block_size,
+            nc.torch_dtype,
+            device=device,
+            num_blocks=blocks,
         )
 
     def generate(
@@ -284,7 +358,8 @@ class NeuronModelForCausalLM:
         if streamer is not None:
             streamer.put(input_ids)
 
-        logits = self._prefill(rows, cache)
+        run = self._start_prefix_run(cache)
+        logits = run.prefill(rows) if run else self._prefill(rows, cache)
         sequences = input_ids
         unfinished = torch.ones(len(rows), dtype=torch.bool)
         raw_logits: list[torch.Tensor] = []
@@ -304,17 +379,25 @@ class NeuronModelForCausalLM:
             unfinished &= ~criteria(sequences, processed)
             if not unfinished.any() or step == max_new_tokens - 1:
                 break
+            if run:
+                run.before_decode(next_tokens, unfinished)
             logits = self._decode(next_tokens, cache)
+            if run:
+                run.after_decode()
+        cached_tokens = run.finish() if run else None
         if streamer is not None:
             streamer.end()
         if not config.return_dict_in_generate:
             return sequences
-        return GenerateDecoderOnlyOutput(
+        output = GenerateDecoderOnlyOutput(
             sequences=sequences,
             scores=tuple(scores) if config.output_scores else None,
             logits=tuple(raw_logits) if config.output_logits else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
+        if cached_tokens is not None:
+            output["cached_tokens"] = torch.tensor(cached_tokens)  # per row: prompt tokens reused
+        return output
 
     def _prompt_rows(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -355,6 +438,13 @@ class NeuronModelForCausalLM:
                 f"sequence_length={capacity}. Shorten the prompt, lower max_new_tokens, or re-export with "
                 f"sequence_length >= {longest + max_new_tokens}."
             )
+        if self._prefix_kv is not None:
+            if cache is not None:
+                raise ValueError(
+                    "past_key_values cannot be passed back with prefix caching: the prefix cache already "
+                    "reuses the previous tokens, so pass the full sequences without past_key_values."
+                )
+            return self._prefix_kv
         if cache is None:
             return self.new_cache()
         if not isinstance(cache, Qwen36HybridCache):
@@ -375,6 +465,18 @@ class NeuronModelForCausalLM:
                     "past_key_values."
                 )
         return cache
+
+    def _start_prefix_run(self, cache: Qwen36HybridCache) -> PrefixCachedRun | None:
+        """The prefix-cached rows of this call, or None without prefix caching. A call interrupted by an
+        exception left its rows holding cache blocks: they are released here."""
+        if self.prefix_cache is None:
+            return None
+        if self._prefix_run is not None:
+            self._prefix_run.finish(completed=False)
+        self._prefix_run = PrefixCachedRun(
+            self.prefix_cache, cache, self.backend, self.neuron_config.prefill_chunk_size
+        )
+        return self._prefix_run
 
     def _prefill(self, rows: list[torch.Tensor], cache: Qwen36HybridCache) -> torch.Tensor:
         """Run each row's uncached tokens in chunks; returns the logits after each row's last token."""

@@ -114,10 +114,12 @@ class Qwen36Attention(nn.Module):
         attend: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        cache_idx: int,
     ) -> torch.Tensor:
         """hidden [B, T, hidden]; write_slots [B, T] flat cache slots for this step's K/V;
         block_tables [B, max_blocks]; attend [B, T, S] bool, S = max_blocks * block_size;
-        key_cache/value_cache [num_blocks, block_size, kv_heads, head_dim] of this layer, updated in place."""
+        key_cache/value_cache: the whole caches [n_attention_layers, num_blocks, block_size, kv_heads,
+        head_dim]; this layer's entry `cache_idx` is updated in place."""
         batch, seq, _ = hidden.shape
         query, gate = self.q_proj(hidden).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = apply_partial_rotary(self.q_norm(query), cos, sin)
@@ -125,16 +127,15 @@ class Qwen36Attention(nn.Module):
         key = apply_partial_rotary(key, cos, sin)
         value = self.v_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim)
 
-        flat_slots = write_slots.reshape(-1)
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-            0, flat_slots, key.reshape(-1, self.num_kv_heads, self.head_dim)
-        )
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-            0, flat_slots, value.reshape(-1, self.num_kv_heads, self.head_dim)
-        )
+        # One index_put_ on the whole cache tensor: compiled backends update it in place only in this form
+        # (a write through a view such as key_cache[layer] copies the viewed slice on every call).
+        block_size = key_cache.shape[2]
+        index = (torch.full_like(write_slots, cache_idx), write_slots // block_size, write_slots % block_size)
+        key_cache.index_put_(index, key)
+        value_cache.index_put_(index, value)
         # Gather each row's blocks into a contiguous [B, S, kv_heads, D] view of its sequence.
-        keys = key_cache[block_tables].flatten(1, 2)
-        values = value_cache[block_tables].flatten(1, 2)
+        keys = key_cache[cache_idx][block_tables].flatten(1, 2)
+        values = value_cache[cache_idx][block_tables].flatten(1, 2)
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
             keys.transpose(1, 2),
@@ -345,12 +346,13 @@ class Qwen36ForCausalLM(nn.Module):
                     conv_state[cache_idx].index_select(0, slot_index),
                     recurrent_state[cache_idx].index_select(0, slot_index),
                 )
-                conv_state[cache_idx].index_copy_(0, slot_index, new_conv.to(conv_state.dtype))
-                recurrent_state[cache_idx].index_copy_(0, slot_index, new_recurrent)
+                state_index = (torch.full_like(slot_index, cache_idx), slot_index)
+                conv_state.index_put_(state_index, new_conv.to(conv_state.dtype))
+                recurrent_state.index_put_(state_index, new_recurrent)
             else:
                 out = layer.self_attn(
                     normed, cos, sin, write_slots, block_tables, attend,
-                    key_cache[cache_idx], value_cache[cache_idx],
+                    key_cache, value_cache, cache_idx,
                 )  # fmt: skip
             hidden = layer.feed_forward(hidden, out)
         last = hidden.index_select(1, (num_valid - 1).reshape(1))
@@ -382,12 +384,13 @@ class Qwen36ForCausalLM(nn.Module):
                 out, new_conv, new_recurrent = layer.linear_attn.decode(
                     normed, conv_state[cache_idx], recurrent_state[cache_idx]
                 )
-                conv_state[cache_idx].copy_(new_conv)
-                recurrent_state[cache_idx].copy_(new_recurrent)
+                layer_index = (torch.full((1,), cache_idx, device=input_ids.device),)
+                conv_state.index_put_(layer_index, new_conv.to(conv_state.dtype).unsqueeze(0))
+                recurrent_state.index_put_(layer_index, new_recurrent.unsqueeze(0))
             else:
                 out = layer.self_attn(
                     normed, cos, sin, write_slots, block_tables, attend,
-                    key_cache[cache_idx], value_cache[cache_idx],
+                    key_cache, value_cache, cache_idx,
                 )  # fmt: skip
             hidden = layer.feed_forward(hidden, out)
         return self._logits(hidden).squeeze(1)

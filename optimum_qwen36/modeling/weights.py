@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from .qwen36 import Qwen36ForCausalLM
@@ -17,6 +20,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 MULTIMODAL_LM_PREFIX = "model.language_model."
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*"]
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -70,6 +75,15 @@ def checkpoint_tensors(checkpoint_dir: str) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+def count_checkpoint_tensors(checkpoint_dir: str) -> int:
+    """How many tensors `checkpoint_tensors` yields (reads the safetensors headers only)."""
+    total = 0
+    for path in safetensors_files(checkpoint_dir):
+        with safe_open(path, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
 def model_key(checkpoint_key: str, multimodal: bool) -> str | None:
     """The static model's parameter name for a checkpoint key, or None for keys the LM does not use."""
     if checkpoint_key.startswith(IGNORED_PREFIXES):
@@ -90,13 +104,23 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> Qwen36ForCausalLM:
-    """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype)."""
+    """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype).
+
+    Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
+    start = time.perf_counter()
     with torch.device("meta"):
         model = Qwen36ForCausalLM(config)
     expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for key, tensor in checkpoint_tensors(checkpoint_dir):
+    progress = tqdm(
+        checkpoint_tensors(checkpoint_dir),
+        total=count_checkpoint_tensors(checkpoint_dir),
+        desc=f"Loading weights as {str(dtype).removeprefix('torch.')}",
+        unit="tensor",
+        disable=None,
+    )
+    for key, tensor in progress:
         name = model_key(key, multimodal)
         if name is None:
             continue
@@ -121,6 +145,14 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = model.inv_freq_for(config).to(device)
+    logger.info(
+        "Loaded %d tensors (%.1f MB as %s) from %s in %.1f s",
+        len(loaded),
+        sum(t.numel() * t.element_size() for t in loaded.values()) / 1e6,
+        dtype,
+        checkpoint_dir,
+        time.perf_counter() - start,
+    )
     return model.eval().requires_grad_(False)
 
 

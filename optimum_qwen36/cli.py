@@ -1,0 +1,207 @@
+"""`optimum-qwen36` command line: export a checkpoint, generate from it, manage the compile cache.
+
+optimum-qwen36 export Qwen/Qwen3.6-27B ./qwen36-cpu --backend cpu --batch-size 1 --sequence-length 4096
+optimum-qwen36 generate ./qwen36-cpu --prompt "What is a Gated DeltaNet?" --chat --no-thinking
+optimum-qwen36 cache lookup             # list compiled graphs in the compile cache
+optimum-qwen36 cache clear
+
+A Hub repository can back the compile cache (--compile-cache-repo or $OPTIMUM_QWEN36_CACHE_REPO): exports
+download its entries (with --trust-compiled-code: they are native code) and upload new compilations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .neuron_config import NEURON_CONFIG_NAME, SUPPORTED_BACKENDS, SUPPORTED_DTYPES
+
+
+def _default_backend() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _add_export_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=SUPPORTED_BACKENDS,
+        default=_default_backend(),
+        help="what to compile for (default: cuda with a GPU, else cpu; eager = no compilation)",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="rows generated together (default 1)")
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        default=None,
+        help="max prompt + new tokens (default: min(4096, model))",
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(SUPPORTED_DTYPES), default=None, help="default: checkpoint's"
+    )
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill step")
+    parser.add_argument("--kv-block-size", type=int, default=64, help="attention KV block size (default 64)")
+    parser.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel degree (neuron only)")
+    parser.add_argument("--revision", default=None, help="Hub revision of MODEL")
+    parser.add_argument(
+        "--compile-cache-dir", default=None, help="default: $OPTIMUM_QWEN36_CACHE or ~/.cache"
+    )
+    parser.add_argument(
+        "--compile-cache-repo",
+        default=None,
+        help="Hub repository backing the compile cache (default: $OPTIMUM_QWEN36_CACHE_REPO): entries are "
+        "downloaded from it (needs --trust-compiled-code) and new compilations uploaded to it",
+    )
+    parser.add_argument("--no-compile-cache", action="store_true", help="always compile, store nothing")
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return dict(
+        backend=args.backend,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        dtype=args.dtype,
+        prefill_chunk_size=args.prefill_chunk_size,
+        kv_block_size=args.kv_block_size,
+        tp_degree=args.tp_degree,
+    )
+
+
+def _export(args: argparse.Namespace):
+    from . import NeuronQwen36ForCausalLM
+
+    return NeuronQwen36ForCausalLM.from_pretrained(
+        args.model,
+        export=True,
+        revision=args.revision,
+        compile_cache_dir=args.compile_cache_dir,
+        compile_cache_repo=args.compile_cache_repo,
+        use_compile_cache=not args.no_compile_cache,
+        trust_compiled_code=args.trust_compiled_code,
+        **_settings(args),
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    model = _export(args)
+    model.save_pretrained(args.output_dir)
+    print(
+        f"Exported {args.model} ({args.backend}) to {args.output_dir} in {time.perf_counter() - start:.1f} s"
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import NeuronQwen36ForCausalLM
+    from .tokenizer import load_qwen36_tokenizer
+
+    if os.path.isfile(os.path.join(args.model, NEURON_CONFIG_NAME)) or args.trust_compiled_code:
+        model = NeuronQwen36ForCausalLM.from_pretrained(
+            args.model, trust_compiled_code=args.trust_compiled_code
+        )
+    else:
+        model = _export(args)
+    tokenizer = load_qwen36_tokenizer(model.tokenizer_dir)
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=not args.no_thinking,
+        )
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    start = time.perf_counter()
+    output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    elapsed = time.perf_counter() - start
+    new_tokens = output[0, input_ids.shape[1] :]
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True))
+    print(
+        f"[{len(new_tokens)} tokens in {elapsed:.2f} s, {len(new_tokens) / elapsed:.1f} tok/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .exporters.compile_cache import CompileCache, HubCompileCache, compile_key, make_compile_cache
+
+    cache = make_compile_cache(args.compile_cache_dir, args.compile_cache_repo)
+    if args.action == "clear":
+        print(f"Removed {cache.clear()} entries from {cache.root}")
+        return 0
+    if args.model is None:
+        entries = cache.entries()
+        print(f"{len(entries)} entries in {cache.root}")
+        for entry in entries:
+            print(f"{entry['key'][:16]}  {entry['bytes'] / 1e6:8.1f} MB  {json.dumps(entry['description'])}")
+        return 0
+    from . import NeuronQwen36ForCausalLM
+    from .modeling.config import load_config, text_config_of
+    from .modeling.weights import resolve_checkpoint
+
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    neuron_config = NeuronQwen36ForCausalLM.get_neuron_config(args.model, revision=args.revision, **settings)
+    text_config = text_config_of(load_config(resolve_checkpoint(args.model, revision=args.revision)))
+    key = compile_key(text_config.to_dict(), neuron_config.to_dict(), args.backend)
+    entry = CompileCache.lookup(cache, key)  # the local cache only: downloads nothing
+    if entry is None and isinstance(cache, HubCompileCache) and cache.remote_has(key):
+        print(f"hit in {cache.repo_id}: {key} (downloaded by an export with --trust-compiled-code)")
+        return 0
+    print(f"{'hit' if entry else 'miss'}: {key} ({entry or cache.root})")
+    return 0 if entry else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="optimum-qwen36", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    export = commands.add_parser("export", help="export (compile) a checkpoint and save it")
+    export.add_argument("model", help="transformers checkpoint: local directory or Hub id")
+    export.add_argument("output_dir", help="where to save the exported model")
+    export.add_argument(
+        "--trust-compiled-code",
+        action="store_true",
+        help="allow using compiled (native) graphs downloaded from --compile-cache-repo",
+    )
+    _add_export_settings(export)
+    export.set_defaults(func=cmd_export)
+
+    generate = commands.add_parser("generate", help="generate text (greedy) from an exported model")
+    generate.add_argument("model", help="directory written by `export`, a Hub id, or a checkpoint to export")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    generate.add_argument("--no-thinking", action="store_true", help="with --chat: disable thinking")
+    generate.add_argument(
+        "--trust-compiled-code",
+        action="store_true",
+        help="allow loading compiled (native) code from the Hub: MODEL's graphs if it is a Hub repository of "
+        "an exported model, or entries of --compile-cache-repo",
+    )
+    _add_export_settings(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    cache = commands.add_parser("cache", help="inspect or clear the compile cache")
+    cache.add_argument("action", choices=("lookup", "clear"))
+    cache.add_argument("model", nargs="?", help="with lookup: report whether this checkpoint + settings hit")
+    _add_export_settings(cache)
+    cache.set_defaults(func=cmd_cache)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

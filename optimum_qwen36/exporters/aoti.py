@@ -1,0 +1,161 @@
+"""Compile a module's method to an AOTInductor package (`.pt2`) and run it with weights bound at load.
+
+The weights are NOT compiled into the package (`aot_inductor.package_constants_in_so=False`): they stay in
+safetensors files and are handed to the loaded runner with `load_constants(..., user_managed=True)`, which
+keeps our (memory-mapped) tensors instead of copying them. One set of weight tensors then serves every graph
+of a model (prefill and decode), and the `.pt2` holds only code (about 2 MB for the tiny test model).
+
+Cache tensors are ordinary graph inputs that the graph mutates. Inductor writes such a mutation in place only
+when the functional graph updates the input with `index_put` chains on the *whole* tensor; a mutation through
+a view (`cache[layer].index_copy_`, `cache.view(...)[i] = x`) becomes "copy the viewed slice, scatter, copy
+it back" on every call. `compile_method` checks this and refuses such graphs (see docs/EXPORT.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Measured on this project's 2-core AVX-512 machine (docs/EXPORT.md): `freezing` folds weights into derived
+# constants (`_frozen_param*`) that can no longer be bound from the safetensors and gave no measurable
+# speed-up; max-autotune multiplies compile time. Plain Inductor with external weights is the default.
+DEFAULT_INDUCTOR_CONFIGS: dict[str, Any] = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": None,
+    "max_autotune": False,
+    "freezing": False,
+}
+
+# Prefix of the model's names inside the wrapper that `torch.export` sees.
+_WRAPPED = "model."
+_INPLACE_WRITE_OPS = (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default)
+
+
+class _MethodAsForward(nn.Module):
+    """`torch.export` traces `forward`; this makes `model.<method>` the forward of a thin wrapper."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model = model
+        self.method = method
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return getattr(self.model, self.method)(*args)
+
+
+class CopyingMutationError(ValueError):
+    """A graph would copy a whole mutated input on every call instead of updating it in place."""
+
+
+def copied_mutations(program: torch.export.ExportedProgram) -> dict[int, str]:
+    """Positions of the mutated user inputs whose update is not a chain of whole-tensor `index_put`s, with
+    the op producing their new value. Those are written back by copying (Inductor re-inplaces index_put)."""
+    functional = program.run_decompositions({})
+    placeholders = {node.name: node for node in functional.graph.nodes if node.op == "placeholder"}
+    signature = functional.graph_signature
+    offenders = {}
+    positions = {name: i for i, name in enumerate(signature.user_inputs)}
+    for output_name, input_name in signature.user_inputs_to_mutate.items():
+        node = next(n for n in functional.graph.nodes if n.name == output_name)
+        while node.op == "call_function" and node.target in _INPLACE_WRITE_OPS:
+            node = node.args[0]
+        if node is not placeholders.get(input_name):
+            offenders[positions[input_name]] = str(node.target)
+    return offenders
+
+
+def compile_method(
+    model: nn.Module,
+    method: str,
+    example_args: Sequence[torch.Tensor],
+    package_path: str | os.PathLike,
+    *,
+    inductor_configs: Mapping[str, Any] | None = None,
+    allow_copying_mutations: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Export `model.<method>(*example_args)` with static shapes and compile it to `package_path` (.pt2).
+
+    Returns the tensors the package expects to be bound at load (weights, buffers, lifted constants), by
+    the model's own names. Raises CopyingMutationError if an input mutation would copy the whole input."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        program = torch.export.export(_MethodAsForward(model, method), tuple(example_args), strict=False)
+    exported = time.perf_counter()
+    offenders = copied_mutations(program)
+    if offenders and not allow_copying_mutations:
+        params = list(inspect.signature(getattr(model, method)).parameters)
+        names = ", ".join(f"{params[i]} (written by {op})" for i, op in sorted(offenders.items()))
+        raise CopyingMutationError(
+            f"{type(model).__name__}.{method} mutates inputs through views: {names}. The compiled graph "
+            "would copy each of them whole on every call. Write cache updates as one index_put_ on the "
+            "whole tensor, e.g. cache.index_put_((layer_index, block, offset), values), not "
+            "cache[layer].index_copy_(...)."
+        )
+    configs = {**DEFAULT_INDUCTOR_CONFIGS, **(inductor_configs or {})}
+    Path(package_path).parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(package_path), inductor_configs=configs
+        )
+    logger.info(
+        "Compiled %s.%s to %s: export %.1fs, AOTInductor %.1fs",
+        type(model).__name__,
+        method,
+        package_path,
+        exported - start,
+        time.perf_counter() - exported,
+    )
+    tensors = {**program.state_dict, **program.constants}
+    return {_unwrapped(name): t.detach() for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+def _unwrapped(name: str) -> str:
+    return name.removeprefix(_WRAPPED)
+
+
+class CompiledGraph:
+    """A loaded `.pt2` with its weights bound; call it with the flat tensor arguments of the method."""
+
+    def __init__(
+        self, package_path: str | os.PathLike, constants: Mapping[str, torch.Tensor], device: str = "cpu"
+    ) -> None:
+        device_index = torch.device(device).index
+        runner = torch._inductor.aoti_load_package(
+            str(package_path), device_index=-1 if device_index is None else device_index
+        )
+        # Constants are named as in the wrapper the graph was exported from ("model.<name>").
+        needed = runner.get_constant_fqns()
+        missing = sorted(_unwrapped(n) for n in needed if _unwrapped(n) not in constants)
+        if missing:
+            # A runner called with unbound constants crashes the process (segfault): refuse here instead.
+            raise KeyError(
+                f"{package_path} needs weights that were not provided: {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}. The weights file does not belong to this graph: "
+                "re-export the model."
+            )
+        bound = {name: constants[_unwrapped(name)] for name in needed}
+        # user_managed: the runner keeps pointers to our tensors (no copy); we keep them alive in self.
+        runner.load_constants(bound, check_full_update=True, user_managed=True)
+        self._constants = bound
+        self._runner = runner
+        # The C++ loader's run() skips the pytree flatten/unflatten of runner.__call__ (~0.2 ms per call).
+        self._run = runner.loader.run
+        self.package_path = str(package_path)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        outputs = self._run(list(args))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self._runner.get_metadata())

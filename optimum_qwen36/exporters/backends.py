@@ -1,0 +1,209 @@
+"""Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
+
+- `cpu` / `cuda`: AOTInductor packages (`compiled/prefill_chunk.pt2`, `compiled/decode_step.pt2`) whose
+  weights are the model's own tensors (memory-mapped from safetensors), bound at load.
+- `neuron`: see `exporters/neuron.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..modeling.cache import Qwen36HybridCache
+from ..modeling.qwen36 import Qwen36ForCausalLM
+from ..neuron_config import Qwen36NeuronConfig
+from .aoti import CompiledGraph, compile_method
+from .base import EagerBackend, StepBackend
+from .compile_cache import CompileCache, compile_key
+
+logger = logging.getLogger(__name__)
+
+COMPILED_DIR = "compiled"
+STEP_METHODS = ("prefill_chunk", "decode_step")
+# Tensors a graph needs that are not parameters or buffers of the model (lifted constants), if any.
+EXTRA_CONSTANTS = "constants.safetensors"
+
+
+# Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device.
+CacheFactory = Callable[[str], Qwen36HybridCache]
+
+
+def example_step_args(
+    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Arguments of the shapes `generate()` passes, for tracing each step."""
+    chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
+    device = cache.key_cache.device
+
+    def scalar(value: int) -> torch.Tensor:
+        return torch.tensor(value, device=device)
+
+    prefill = (
+        torch.zeros((1, chunk), dtype=torch.long, device=device),
+        scalar(0),
+        scalar(chunk),
+        scalar(0),
+        cache.block_tables[0].clone(),
+        *cache.step_tensors(),
+    )
+    decode = (
+        torch.zeros((batch, 1), dtype=torch.long, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device),
+        cache.block_tables.clone(),
+        *cache.step_tensors(),
+    )
+    return {"prefill_chunk": prefill, "decode_step": decode}
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under every name it has (tied weights appear under each name)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return {name: t.detach() for name, t in tensors.items()}
+
+
+class AOTIBackend:
+    """The `cpu` (or `cuda`) backend: each step is an AOTInductor graph updating the cache in place."""
+
+    def __init__(self, files_dir: Path, weights: dict[str, torch.Tensor], device: str) -> None:
+        self.name = torch.device(device).type
+        self.device = device
+        self.files_dir = files_dir
+        extra = files_dir / EXTRA_CONSTANTS
+        constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
+        self.graphs = {m: CompiledGraph(files_dir / f"{m}.pt2", constants, device) for m in STEP_METHODS}
+
+    def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.device != "cpu":
+            args = tuple(a.to(self.device, non_blocking=True) for a in args)
+        return self.graphs[method](*args).cpu()
+
+    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._run("prefill_chunk", args)
+
+    def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._run("decode_step", args)
+
+    def save(self, directory: Path) -> None:
+        target = directory / COMPILED_DIR
+        if target.resolve() == self.files_dir.resolve():
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        for path in self.files_dir.iterdir():
+            if path.suffix in (".pt2", ".safetensors"):
+                shutil.copyfile(path, target / path.name)
+
+    @classmethod
+    def compile(
+        cls,
+        model: Qwen36ForCausalLM,
+        neuron_config: Qwen36NeuronConfig,
+        make_cache: CacheFactory,
+        cache: CompileCache | None,
+        device: str,
+    ) -> AOTIBackend:
+        """Compile both steps (or take them from the compile cache) and bind the model's weights."""
+        backend = torch.device(device).type
+        key = compile_key(model.config.to_dict(), neuron_config.to_dict(), backend)
+        entry = cache.lookup(key) if cache is not None else None
+        if entry is None:
+            logger.info(
+                "Compiling %s for %s (compile cache key %s): %s",
+                ", ".join(STEP_METHODS),
+                device,
+                key[:16],
+                ", ".join(f"{k}={v}" for k, v in _describe(model, neuron_config).items()),
+            )
+            staging = Path(tempfile.mkdtemp(prefix="optimum-qwen36-compile-"))
+            try:
+                _compile_steps(model, example_step_args(neuron_config, make_cache(device)), staging)
+                if cache is not None:
+                    entry = cache.store(key, staging, _describe(model, neuron_config))
+                    shutil.rmtree(staging)
+                else:
+                    entry = staging
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        else:
+            logger.info("Reusing compiled graphs from %s", entry)
+        instance = cls(entry, model_tensors(model), device)
+        if cache is None:
+            # No cache to keep the files: they live as long as this backend.
+            weakref.finalize(instance, shutil.rmtree, entry, True)
+        return instance
+
+
+def _compile_steps(
+    model: Qwen36ForCausalLM, examples: dict[str, tuple[torch.Tensor, ...]], out_dir: Path
+) -> None:
+    own = model_tensors(model)
+    extra: dict[str, torch.Tensor] = {}
+    total = time.perf_counter()
+    for method in tqdm(STEP_METHODS, desc="Compiling graphs", unit="graph", disable=None):
+        start = time.perf_counter()
+        constants = compile_method(model, method, examples[method], out_dir / f"{method}.pt2")
+        extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
+        logger.info("Compiled %s in %.1f s", method, time.perf_counter() - start)
+    if extra:
+        save_file(extra, out_dir / EXTRA_CONSTANTS)
+    logger.info("Compiled %s in %.1f s", " and ".join(STEP_METHODS), time.perf_counter() - total)
+
+
+def _describe(model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> dict[str, Any]:
+    settings = neuron_config.to_dict()
+    return {
+        "model_type": model.config.model_type,
+        "layers": model.config.num_hidden_layers,
+        "hidden_size": model.config.hidden_size,
+        **{k: settings[k] for k in ("backend", "batch_size", "sequence_length", "prefill_chunk_size")},
+        "dtype": settings["dtype"],
+    }
+
+
+def default_device(backend: str) -> str:
+    if backend == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "backend='cuda' needs a CUDA GPU and a CUDA build of torch; none is available here. "
+                "Use backend='cpu'."
+            )
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def create_backend(
+    model: Qwen36ForCausalLM,
+    neuron_config: Qwen36NeuronConfig,
+    make_cache: CacheFactory,
+    compiled_dir: Path | None = None,
+    cache: CompileCache | None = None,
+) -> StepBackend:
+    """The backend of `neuron_config.backend`: compiled from `model`, or loaded from `compiled_dir` (an
+    artifact's `compiled/` directory, already verified) without compiling."""
+    backend = neuron_config.backend
+    if backend == "eager":
+        return EagerBackend(model)
+    if backend in ("cpu", "cuda"):
+        device = default_device(backend)
+        if device != "cpu":
+            model.to(device)
+        if compiled_dir is not None:
+            return AOTIBackend(compiled_dir, model_tensors(model), device)
+        return AOTIBackend.compile(model, neuron_config, make_cache, cache, device)
+    if backend == "neuron":
+        from .neuron import NeuronBackend
+
+        return NeuronBackend(model, neuron_config, make_cache, compiled_dir=compiled_dir)
+    raise ValueError(f"Unknown backend {backend!r}.")

@@ -1,0 +1,22 @@
+"""Hybrid prefix caching: attention KV blocks shared by hash, GDN states restored from checkpoints."""
+
+from .block_pool import BlockPool
+from .checkpoint import GDNCheckpoint, GDNStateSpec, layer_checksums
+from .hashing import block_key, chain_keys, root_key
+from .manager import KERNEL_CHUNK, CachedSequence, PrefixCache, PrefixCacheConfig
+from .schedule import plan_prefill_chunks
+
+__all__ = [
+    "KERNEL_CHUNK",
+    "BlockPool",
+    "CachedSequence",
+    "GDNCheckpoint",
+    "GDNStateSpec",
+    "PrefixCache",
+    "PrefixCacheConfig",
+    "block_key",
+    "chain_keys",
+    "layer_checksums",
+    "plan_prefill_chunks",
+    "root_key",
+]

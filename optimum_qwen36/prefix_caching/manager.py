@@ -1,0 +1,475 @@
+"""Hybrid prefix cache: shared attention KV blocks plus GDN state checkpoints, under one byte budget.
+
+A reusable prefix of length p needs the attention KV of tokens 0..p *and* the conv + recurrent
+state of every GDN layer at exactly p. Full KV blocks form a tree keyed by chained block hashes
+(``hashing``); a checkpoint (``checkpoint``) hangs on the tree node whose block ends at p. Lookup
+returns the longest p backed by both. Checkpoint positions are multiples of ``granularity``:
+
+* the end of every prompt, rounded down so that a repeat of the same prompt still has a token
+  to compute (``(L - 1) // g * g``: exact multiples of the block hit too);
+* the point where a prompt branches off a cached path, so that its later siblings hit;
+* every ``checkpoint_interval`` tokens inside long prompts;
+* after generation (the last multiple reached while decoding), so that the next turn of a
+  conversation reuses the answer.
+
+Eviction is LRU over unreferenced leaf blocks and unpinned checkpoints: only leaves go, so a
+checkpoint never outlives its KV prefix (a block's checkpoint is dropped with it), and blocks used
+by in-flight sequences are never evicted. Nothing is registered or stored beyond the budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import BlockPool
+from .checkpoint import GDNCheckpoint, GDNStateSpec
+from .hashing import block_key, chain_keys, root_key
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CHUNK = 64  # GDN kernel chunk: chunked prefill is only exact-resumable at multiples of it
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """What to cache and how much memory it may use."""
+
+    budget_bytes: int  # KV blocks registered in the cache + GDN checkpoints
+    block_size: int = 64
+    granularity: int = 64  # checkpoint positions are multiples of this
+    checkpoint_interval: int = 2048  # sparse checkpoints inside long prompts; 0 disables
+    identity: str = ""  # model/artifact identity salting every hash
+    checkpoint_device: str | None = None  # where checkpoints live; None = the cache's device
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.granularity <= 0 or self.granularity % KERNEL_CHUNK or self.granularity % self.block_size:
+            raise ValueError(
+                f"granularity must be a positive multiple of the kernel chunk ({KERNEL_CHUNK}) and of "
+                f"block_size ({self.block_size}), got {self.granularity}"
+            )
+        if self.checkpoint_interval < 0 or self.checkpoint_interval % self.granularity:
+            raise ValueError(
+                f"checkpoint_interval must be 0 or a multiple of granularity ({self.granularity}), "
+                f"got {self.checkpoint_interval}"
+            )
+
+
+@dataclass(eq=False)
+class _Node:
+    """A full KV block registered in the cache; its tokens end at ``depth * block_size``."""
+
+    key: bytes
+    parent: _Node | None
+    block: int
+    depth: int
+    children: int = 0
+    checkpoint: GDNCheckpoint | None = None
+    last_used: int = 0
+
+
+@dataclass(eq=False)
+class CachedSequence:
+    """One sequence's view of the cache, from ``PrefixCache.begin`` to ``PrefixCache.finish``.
+
+    ``block_ids`` is the row's block table (shared prefix blocks, then its own); every block in it
+    holds one reference from this sequence. ``cached_tokens`` tokens are reused: restore
+    ``checkpoint`` into the row's slot (``PrefixCache.restore``) and prefill from there, ending a
+    chunk at every position of ``snapshot_positions`` to store the state there.
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    cached_tokens: int
+    block_ids: list[int]
+    checkpoint: GDNCheckpoint | None
+    snapshot_positions: list[int]
+    _keys: list[bytes] = field(default_factory=list)  # chain key of each full block of token_ids
+    _committed: int = 0  # leading blocks present in the tree (shared, registered or duplicates)
+    _extra_refs: list[int] = field(default_factory=list)  # cached twins of private blocks, kept alive
+    _staged: GDNCheckpoint | None = None  # latest decode-time state, stored at finish
+    finished: bool = False
+
+    def append_tokens(self, token_ids: Sequence[int]) -> None:
+        """Record generated tokens (their KV/state become cacheable once computed)."""
+        self.token_ids.extend(int(t) for t in token_ids)
+
+
+class PrefixCache:
+    """Prefix cache for one model: block pool, block tree, GDN checkpoints, LRU eviction, stats."""
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        *,
+        num_blocks: int,
+        kv_bytes_per_block: int,
+        state_spec: GDNStateSpec,
+    ) -> None:
+        self.config = config
+        self.pool = BlockPool(num_blocks)
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.state_spec = state_spec
+        self._root = root_key(config.identity)
+        self._nodes: dict[bytes, _Node] = {}
+        self._node_of_block: dict[int, _Node] = {}
+        # Lazy-deletion min-heaps of (last_used, key); an entry is live when the stamp still matches.
+        self._node_heap: list[tuple[int, bytes]] = []
+        self._ckpt_heap: list[tuple[int, bytes]] = []
+        self._clock = itertools.count(1)
+        self._kv_bytes = 0
+        self._ckpt_bytes = 0
+        self._num_checkpoints = 0
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "hit_tokens",
+                "prompt_tokens",
+                "checkpoints_stored",
+                "checkpoints_evicted",
+                "checkpoints_invalid",
+                "checkpoints_skipped",
+                "blocks_evicted",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ lookup / lifecycle
+    def begin(self, token_ids: Sequence[int]) -> CachedSequence:
+        """Look up a prompt and acquire its longest backed prefix (blocks referenced, checkpoint pinned)."""
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("cannot look up an empty prompt")
+        bs, g, n = self.config.block_size, self.config.granularity, len(tokens)
+        keys = chain_keys(self._root, tokens, bs)
+        path: list[_Node] = []  # cached nodes matching the prompt's leading blocks
+        for key in keys:
+            node = self._nodes.get(key)
+            if node is None:
+                break
+            path.append(node)
+
+        hit, checkpoint = 0, None
+        # The last prompt token is always recomputed: its logits start generation.
+        for depth in range(min(len(path), (n - 1) // bs), 0, -1):
+            node = path[depth - 1]
+            pos = depth * bs
+            if pos % g or node.checkpoint is None:
+                continue
+            reason = node.checkpoint.validate(self.state_spec, node.key, pos)
+            if reason is None:
+                hit, checkpoint = pos, node.checkpoint
+                break
+            logger.warning("prefix cache: invalid GDN checkpoint at position %d not used: %s", pos, reason)
+            self._counters["checkpoints_invalid"] += 1
+            if node.checkpoint.pins == 0:  # else the next lookup after its release drops it
+                self._drop_checkpoint(node)
+
+        shared = path[: hit // bs]
+        for node in shared:
+            self.pool.incref(node.block)
+        self._touch_path(shared)
+        if checkpoint is not None:
+            checkpoint.pins += 1
+            self._touch_checkpoint(checkpoint)
+
+        end = (n - 1) // g * g
+        branch = min(len(path) * bs, n - 1) // g * g
+        stops = {end, branch}
+        if self.config.checkpoint_interval:
+            stops.update(range(self.config.checkpoint_interval, end, self.config.checkpoint_interval))
+        c = self._counters
+        c["lookups"] += 1
+        c["prompt_tokens"] += n
+        c["hit_tokens"] += hit
+        c["hits"] += hit > 0
+        return CachedSequence(
+            token_ids=tokens,
+            prompt_len=n,
+            cached_tokens=hit,
+            block_ids=[node.block for node in shared],
+            checkpoint=checkpoint,
+            snapshot_positions=sorted(p for p in stops if p > hit),
+            _keys=keys,
+            _committed=len(shared),
+        )
+
+    def restore(self, seq: CachedSequence, conv_dst: torch.Tensor, recurrent_dst: torch.Tensor) -> None:
+        """Copy the hit checkpoint into the row's slot: ``conv_state[:, s]``, ``recurrent_state[:, s]``."""
+        if seq.checkpoint is None:
+            raise RuntimeError(
+                "this sequence has no checkpoint to restore (cold prefill or already restored)"
+            )
+        seq.checkpoint.restore_into(conv_dst, recurrent_dst)
+        self._unpin(seq.checkpoint)
+        seq.checkpoint = None
+
+    def ensure_blocks(self, seq: CachedSequence, num_tokens: int) -> list[int]:
+        """Allocate own blocks so that the block table covers ``num_tokens`` positions; returns it."""
+        while len(seq.block_ids) * self.config.block_size < num_tokens:
+            seq.block_ids.append(self._allocate_block())
+        return seq.block_ids
+
+    def commit(self, seq: CachedSequence, num_computed: int) -> None:
+        """Register the full blocks among the first ``num_computed`` tokens, whose KV is now written."""
+        bs = self.config.block_size
+        if num_computed > len(seq.token_ids) or num_computed > len(seq.block_ids) * bs:
+            raise ValueError(
+                f"num_computed={num_computed} exceeds the sequence's {len(seq.token_ids)} tokens "
+                f"or its {len(seq.block_ids)} blocks"
+            )
+        full = num_computed // bs
+        while len(seq._keys) < full:  # generated tokens: extend the chain
+            i = len(seq._keys)
+            parent = seq._keys[-1] if seq._keys else self._root
+            seq._keys.append(block_key(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        while seq._committed < full:
+            i = seq._committed
+            key = seq._keys[i]
+            parent = self._nodes[seq._keys[i - 1]] if i else None  # alive: this sequence references it
+            twin = self._nodes.get(key)
+            if twin is not None:
+                # Same tokens already cached (computed by someone else): keep our private copy for
+                # this row (bitwise its own numbers) and hold the twin so our chain stays intact.
+                self.pool.incref(twin.block)
+                seq._extra_refs.append(twin.block)
+                self._touch_path([twin])
+            else:
+                if not self._make_room(self.kv_bytes_per_block):
+                    return  # over budget with nothing evictable: retry at the next commit
+                node = _Node(key, parent, seq.block_ids[i], i + 1)
+                self._nodes[key] = node
+                self._node_of_block[node.block] = node
+                if parent is not None:
+                    parent.children += 1
+                self._kv_bytes += self.kv_bytes_per_block
+                self._touch_path([node])
+            seq._committed += 1
+
+    def store_checkpoint(
+        self, seq: CachedSequence, position: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> bool:
+        """Store the row's GDN state after exactly ``position`` tokens; False if it was not stored.
+
+        Not stored when one already exists there, when the KV prefix could not be registered, or
+        when it does not fit in the budget even after evicting everything unreferenced.
+        """
+        self._check_state(seq, position, conv, recurrent)
+        node = self._checkpoint_holder(seq, position)
+        if node is None:
+            return False
+        self._attach(
+            node, GDNCheckpoint.capture(node.key, position, conv, recurrent, self.config.checkpoint_device)
+        )
+        return True
+
+    def decode_snapshot_due(self, seq: CachedSequence, num_computed: int) -> bool:
+        """Whether the state after ``num_computed`` tokens (prompt + fed generated ones) should be staged."""
+        return num_computed >= seq.prompt_len and num_computed % self.config.granularity == 0
+
+    def stage_checkpoint(
+        self, seq: CachedSequence, position: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        """Keep a copy of the decode-time state at ``position`` (replacing the previous one); ``finish``
+        stores it if the sequence's tokens reach that far, so that a next turn reuses the answer."""
+        self._check_state(seq, position, conv, recurrent)
+        seq._staged = GDNCheckpoint.capture(b"", position, conv, recurrent, self.config.checkpoint_device)
+
+    def finish(self, seq: CachedSequence, num_computed: int | None = None) -> None:
+        """End a sequence: register its computed blocks, store the staged state, release its references.
+
+        ``num_computed``: how many of ``seq.token_ids`` have their KV and state computed
+        (None: cache nothing more, e.g. after an error).
+        """
+        if seq.finished:
+            return
+        staged, seq._staged = seq._staged, None
+        if num_computed is not None:
+            self.commit(seq, num_computed)
+            if staged is not None and staged.position <= num_computed:
+                node = self._checkpoint_holder(seq, staged.position)
+                if node is not None:
+                    staged.key = node.key
+                    self._attach(node, staged)
+        if seq.checkpoint is not None:
+            self._unpin(seq.checkpoint)
+            seq.checkpoint = None
+        for block in seq.block_ids + seq._extra_refs:
+            if self.pool.decref(block) == 0:
+                node = self._node_of_block.get(block)
+                if node is None:
+                    self.pool.free(block)  # private block (partial, duplicate or over budget)
+                else:
+                    self._push_node(node)
+        seq.finished = True
+
+    def clear(self) -> None:
+        """Evict everything no in-flight sequence uses (e.g. to measure a cold run)."""
+        while self._evict_one():
+            pass
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, int | float]:
+        c = dict(self._counters)
+        c["hit_rate"] = c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c["checkpoints"] = self._num_checkpoints
+        c["cached_blocks"] = len(self._nodes)
+        c["free_blocks"] = self.pool.num_free
+        c["kv_bytes"] = self._kv_bytes
+        c["checkpoint_bytes"] = self._ckpt_bytes
+        c["bytes_used"] = self._kv_bytes + self._ckpt_bytes
+        c["budget_bytes"] = self.config.budget_bytes
+        return c
+
+    # ------------------------------------------------------------------ internals
+    def _check_state(
+        self, seq: CachedSequence, position: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        g = self.config.granularity
+        if position <= 0 or position % g or position > len(seq.token_ids):
+            raise ValueError(
+                f"checkpoint position must be a positive multiple of {g} within the sequence's "
+                f"{len(seq.token_ids)} tokens, got {position}"
+            )
+        reason = self.state_spec.check(conv, recurrent)
+        if reason is not None:
+            raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
+
+    def _checkpoint_holder(self, seq: CachedSequence, position: int) -> _Node | None:
+        """The node a new checkpoint at ``position`` would hang on, with room made for it; else None."""
+        self.commit(seq, position)
+        depth = position // self.config.block_size
+        node = self._nodes.get(seq._keys[depth - 1]) if seq._committed >= depth else None
+        if node is not None and node.checkpoint is not None:
+            self._touch_checkpoint(node.checkpoint)
+            return None
+        if node is None or not self._make_room(self.state_spec.nbytes):
+            self._counters["checkpoints_skipped"] += 1
+            return None
+        return node
+
+    def _attach(self, node: _Node, ckpt: GDNCheckpoint) -> None:
+        node.checkpoint = ckpt
+        self._ckpt_bytes += ckpt.nbytes
+        self._num_checkpoints += 1
+        self._counters["checkpoints_stored"] += 1
+        self._touch_checkpoint(ckpt)
+
+    def _push_node(self, node: _Node) -> None:
+        heapq.heappush(self._node_heap, (node.last_used, node.key))
+        self._maybe_compact(self._node_heap)
+
+    def _push_checkpoint(self, ckpt: GDNCheckpoint) -> None:
+        heapq.heappush(self._ckpt_heap, (ckpt.last_used, ckpt.key))
+        self._maybe_compact(self._ckpt_heap)
+
+    def _maybe_compact(self, heap: list[tuple[int, bytes]]) -> None:
+        if len(heap) > 2 * len(self._nodes) + 1024:  # drop stale entries so the heaps stay bounded
+            self._node_heap = [(n.last_used, k) for k, n in self._nodes.items()]
+            self._ckpt_heap = [(n.checkpoint.last_used, k) for k, n in self._nodes.items() if n.checkpoint]
+            heapq.heapify(self._node_heap)
+            heapq.heapify(self._ckpt_heap)
+
+    def _touch_path(self, nodes: list[_Node]) -> None:
+        # Deepest first, so shared prefixes end up more recent than the branches below them.
+        for node in reversed(nodes):
+            node.last_used = next(self._clock)
+            self._push_node(node)
+
+    def _touch_checkpoint(self, ckpt: GDNCheckpoint) -> None:
+        ckpt.last_used = next(self._clock)
+        self._push_checkpoint(ckpt)
+
+    def _unpin(self, ckpt: GDNCheckpoint) -> None:
+        ckpt.pins -= 1
+        if ckpt.pins == 0:
+            self._push_checkpoint(ckpt)
+
+    def _evictable_node(self) -> _Node | None:
+        heap = self._node_heap
+        while heap:
+            stamp, key = heap[0]
+            node = self._nodes.get(key)
+            if (
+                node is not None
+                and node.last_used == stamp
+                and node.children == 0
+                and self.pool.ref_count(node.block) == 0
+            ):
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def _evictable_checkpoint(self) -> _Node | None:
+        heap = self._ckpt_heap
+        while heap:
+            stamp, key = heap[0]
+            node = self._nodes.get(key)
+            ckpt = node.checkpoint if node is not None else None
+            if ckpt is not None and ckpt.last_used == stamp and ckpt.pins == 0:
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def _evict_one(self) -> bool:
+        """Evict the least recently used unreferenced leaf block or unpinned checkpoint."""
+        node = self._evictable_node()
+        holder = self._evictable_checkpoint()
+        if holder is not None and (node is None or holder.checkpoint.last_used < node.last_used):
+            self._drop_checkpoint(holder)
+            self._counters["checkpoints_evicted"] += 1
+            return True
+        if node is not None:
+            self._evict_node(node)
+            return True
+        return False
+
+    def _evict_node(self, node: _Node) -> None:
+        if node.checkpoint is not None:  # its KV prefix is going: the state is useless without it
+            self._drop_checkpoint(node)
+            self._counters["checkpoints_evicted"] += 1
+        del self._nodes[node.key]
+        del self._node_of_block[node.block]
+        if node.parent is not None:
+            node.parent.children -= 1
+            if node.parent.children == 0:
+                self._push_node(node.parent)
+        self.pool.free(node.block)
+        self._kv_bytes -= self.kv_bytes_per_block
+        self._counters["blocks_evicted"] += 1
+
+    def _drop_checkpoint(self, node: _Node) -> None:
+        ckpt = node.checkpoint
+        assert ckpt is not None and ckpt.pins == 0, "dropping a missing or pinned checkpoint"
+        node.checkpoint = None
+        self._ckpt_bytes -= ckpt.nbytes
+        self._num_checkpoints -= 1
+
+    def _make_room(self, nbytes: int) -> bool:
+        while self._kv_bytes + self._ckpt_bytes + nbytes > self.config.budget_bytes:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _allocate_block(self) -> int:
+        block = self.pool.allocate()
+        while block is None:
+            node = self._evictable_node()
+            if node is None:
+                raise RuntimeError(
+                    f"KV block pool exhausted: all {self.pool.num_blocks - 1} blocks are used by in-flight "
+                    "sequences; raise num_blocks or run fewer/shorter sequences at once"
+                )
+            self._evict_node(node)
+            block = self.pool.allocate()
+        return block

@@ -1,0 +1,104 @@
+"""The AOTInductor machinery on a toy module shaped like the model's steps (int64 scalar arguments, a paged
+cache written with index_put_, a block gather): weights outside the package, in-place cache updates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from optimum_qwen36.exporters.aoti import CompiledGraph, CopyingMutationError, compile_method
+
+BLOCK, BLOCKS, HEADS, DIM, SLOTS = 4, 32, 2, 8, 3
+
+
+class ToyStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, HEADS * DIM)  # 64 KB: far more than the code of its graph
+        self.proj = nn.Linear(HEADS * DIM, HEADS * DIM, bias=False)
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def step(self, ids, start_pos, slot, block_table, kv_cache, state):
+        """ids [T]; start_pos, slot int64 scalars; block_table [max_blocks];
+        kv_cache [2, BLOCKS, BLOCK, H, D]; state [2, SLOTS, D]. Writes K/V and the slot's state in place."""
+        positions = start_pos + torch.arange(ids.shape[0])
+        x = self.proj(self.embed(ids)).view(-1, HEADS, DIM)
+        blocks = block_table[positions // BLOCK]
+        layer = torch.full_like(blocks, 1)
+        kv_cache.index_put_((layer, blocks, positions % BLOCK), x)
+        gathered = kv_cache[1][block_table].flatten(0, 1)  # [max_blocks * BLOCK, H, D]
+        slot_index = slot.reshape(1)
+        new_state = state[1].index_select(0, slot_index) * self.scale + gathered.sum((0, 1))
+        state.index_put_((torch.full_like(slot_index, 1), slot_index), new_state)
+        return gathered.sum(-1)
+
+    def step_through_views(self, ids, start_pos, slot, block_table, kv_cache, state):
+        state[1].index_copy_(0, slot.reshape(1), state[1].index_select(0, slot.reshape(1)) + 1)
+        return ids.float()
+
+
+def _args() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    return (
+        torch.randint(0, 1000, (6,), generator=generator),
+        torch.tensor(5),
+        torch.tensor(2),
+        torch.tensor([3, 7, 1, 9]),
+        torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM),
+        torch.randn(2, SLOTS, DIM, generator=generator),
+    )
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[ToyStep, Path, Path]:
+    torch.manual_seed(0)
+    model = ToyStep().eval()
+    directory = tmp_path_factory.mktemp("toy")
+    constants = compile_method(model, "step", _args(), directory / "step.pt2")
+    assert set(constants) == {"embed.weight", "proj.weight", "scale"}
+    save_file({k: v.contiguous() for k, v in constants.items()}, directory / "weights.safetensors")
+    return model, directory / "step.pt2", directory / "weights.safetensors"
+
+
+def test_weights_bound_at_load_and_caches_updated_in_place(compiled) -> None:
+    model, package, weights = compiled
+    assert package.stat().st_size < 16 * 1024 * 1024  # code only: about 2 MB whatever the weights
+    graph = CompiledGraph(package, load_file(weights))
+    eager_args = _args()
+    compiled_args = tuple(a.clone() for a in eager_args)
+    pointers = [a.data_ptr() for a in compiled_args]
+    for _ in range(2):  # the second call sees the first call's writes
+        want = model.step(*eager_args)
+        got = graph(*compiled_args)
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled_args[4], eager_args[4])
+    torch.testing.assert_close(compiled_args[5], eager_args[5])
+    assert [a.data_ptr() for a in compiled_args] == pointers
+
+
+def test_weights_are_not_copied_into_the_runner(compiled) -> None:
+    """user_managed binding: the graph reads our tensors, so changing them changes its output."""
+    _, package, weights = compiled
+    tensors = load_file(weights)
+    graph = CompiledGraph(package, tensors)
+    before = graph(*_args())
+    tensors["proj.weight"].mul_(2)
+    torch.testing.assert_close(graph(*_args()), 2 * before)
+
+
+def test_missing_weights_are_refused_not_crashed(compiled) -> None:
+    _, package, weights = compiled
+    tensors = load_file(weights)
+    del tensors["proj.weight"]
+    with pytest.raises(KeyError, match=r"proj\.weight"):
+        CompiledGraph(package, tensors)
+
+
+def test_mutation_through_a_view_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CopyingMutationError, match="index_put_"):
+        compile_method(ToyStep(), "step_through_views", _args(), tmp_path / "never.pt2")
+    assert not (tmp_path / "never.pt2").exists()

@@ -1,0 +1,232 @@
+"""The `cpu` backend end to end: one AOTInductor export of a tiny model (about 2 minutes on 2 cores), shared
+by every test here; the other tests reuse it through the compile cache or the saved artifact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint
+from helpers import StubHubRepo, left_padded_prompts
+
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.cli import main as cli_main
+from optimum_qwen36.exporters import artifact, backends
+from optimum_qwen36.exporters.compile_cache import CompileCache
+
+SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
+PROMPT_LENGTHS = [5, 21]  # shorter than one prefill chunk, and two chunks
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    """(checkpoint dir, transformers model, compile cache dir, exported cpu model, saved artifact dir)."""
+    root = tmp_path_factory.mktemp("cpu_export")
+    checkpoint, reference = save_tiny_checkpoint(root / "checkpoint", "causal", seed=7)
+    cache_dir = root / "compile_cache"
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, **SETTINGS
+    )
+    saved = root / "saved"
+    model.save_pretrained(saved)
+    return checkpoint, reference, cache_dir, model, saved
+
+
+@pytest.fixture
+def no_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled although the graphs should have been reused")
+
+    monkeypatch.setattr(backends, "compile_method", refuse)
+
+
+def _greedy(model, **kwargs) -> torch.Tensor:
+    input_ids, mask = left_padded_prompts(PROMPT_LENGTHS, seed=1)
+    return model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs
+    )
+
+
+def test_cpu_backend_equals_eager_and_transformers(exported) -> None:
+    checkpoint, reference, _, model, _ = exported
+    assert model.backend.name == "cpu"
+    ours = _greedy(model, return_dict_in_generate=True, output_logits=True)
+    eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
+    theirs = _greedy(eager, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for mine, eagers in zip(ours.logits, theirs.logits, strict=True):
+        torch.testing.assert_close(mine, eagers, rtol=1e-4, atol=1e-4)
+    input_ids, mask = left_padded_prompts(PROMPT_LENGTHS, seed=1)
+    hf = reference.generate(
+        input_ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(ours.sequences, hf)
+
+
+def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> None:
+    _, _, _, model, saved = exported
+    assert {"README.md", artifact.MANIFEST_NAME, "model.safetensors", "neuron_config.json"} <= {
+        p.name for p in saved.iterdir()
+    }
+    assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= {
+        "prefill_chunk.pt2",
+        "decode_step.pt2",
+    }
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import StubHubRepo, left_padded_prompts
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.exporters import backends
+def refuse(*args, **kwargs):
+    raise AssertionError("compiled at load")
+backends.compile_method = refuse
+model = NeuronQwen36ForCausalLM.from_pretrained({str(saved)!r})
+ids, mask = left_padded_prompts({PROMPT_LENGTHS}, seed=1)
+out = model.generate(ids, attention_mask=mask, max_new_tokens={NEW_TOKENS}, do_sample=False)
+print(json.dumps(out.tolist()))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert torch.equal(loaded, _greedy(model))
+
+
+def test_second_export_reuses_the_compile_cache(exported, no_compilation) -> None:
+    checkpoint, _, cache_dir, model, _ = exported
+    start = time.perf_counter()
+    again = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, **SETTINGS
+    )
+    assert time.perf_counter() - start < 30
+    assert torch.equal(_greedy(again), _greedy(model))
+
+
+def test_tampered_or_mismatched_artifacts_are_refused(exported, tmp_path: Path, no_compilation) -> None:
+    saved = exported[4]
+    tampered = shutil.copytree(saved, tmp_path / "tampered")
+    graph = tampered / backends.COMPILED_DIR / "decode_step.pt2"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    with pytest.raises(artifact.ArtifactIntegrityError, match=r"decode_step\.pt2"):
+        NeuronQwen36ForCausalLM.from_pretrained(tampered)
+
+    for field, value, error in (
+        ("torch", "2.0.0", artifact.ArtifactVersionError),
+        ("tp_degree", 2, artifact.ArtifactTopologyError),
+    ):
+        other = shutil.copytree(saved, tmp_path / field)
+        manifest = json.loads((other / artifact.MANIFEST_NAME).read_text())
+        if field in manifest["environment"]:
+            manifest["environment"][field] = value
+        else:
+            manifest[field] = value
+        (other / artifact.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(error, match="re-export"):
+            NeuronQwen36ForCausalLM.from_pretrained(other)
+
+
+class StubHub:
+    """Records what push_to_hub would send."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", {"repo_id": repo_id, **kwargs}))
+
+    def upload_folder(self, **kwargs):
+        files = sorted(
+            p.relative_to(kwargs["folder_path"]).as_posix() for p in Path(kwargs["folder_path"]).rglob("*")
+        )
+        self.calls.append(("upload_folder", {**kwargs, "files": [f for f in files if "." in f]}))
+        return "https://huggingface.co/me/tiny-cpu/commit/0"
+
+
+def test_push_to_hub_then_load_the_snapshot(
+    exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_compilation
+) -> None:
+    _, _, _, model, saved = exported
+    hub = StubHub()
+    model.push_to_hub(saved, "me/tiny-cpu", private=True, revision="v1", token="t", api=hub)
+    assert [name for name, _ in hub.calls] == ["create_repo", "create_branch", "upload_folder"]
+    assert hub.calls[0][1]["private"] is True
+    upload = hub.calls[2][1]
+    assert upload["repo_id"] == "me/tiny-cpu" and upload["revision"] == "v1"
+    assert {"compiled/decode_step.pt2", "compiled/prefill_chunk.pt2", artifact.MANIFEST_NAME} <= set(
+        upload["files"]
+    )
+
+    snapshot = shutil.copytree(saved, tmp_path / "snapshot")
+    import huggingface_hub
+
+    requested = []
+
+    def fake_snapshot_download(repo_id, revision=None, token=None, **kwargs):
+        requested.append((repo_id, revision))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    with pytest.raises(artifact.UntrustedCodeError, match="trust_compiled_code=True"):
+        NeuronQwen36ForCausalLM.from_pretrained("me/tiny-cpu", revision="v1")
+    loaded = NeuronQwen36ForCausalLM.from_pretrained("me/tiny-cpu", revision="v1", trust_compiled_code=True)
+    assert requested[-1] == ("me/tiny-cpu", "v1")
+    assert torch.equal(_greedy(loaded), _greedy(model))
+
+
+def test_cli_export_generate_and_cache(
+    exported, tmp_path: Path, capsys: pytest.CaptureFixture, no_compilation
+):
+    checkpoint, _, cache_dir, _, _ = exported
+    flags = ["--backend", "cpu", "--batch-size", "2", "--sequence-length", "64", "--prefill-chunk-size", "16"]
+    flags += ["--dtype", "float32", "--compile-cache-dir", str(cache_dir)]
+    output = tmp_path / "cli-export"
+    assert cli_main(["export", str(checkpoint), str(output), *flags]) == 0
+    artifact.verify_artifact(output, "cpu", 1)
+    # Digits are single low-id tokens, inside the tiny model's 512-token vocabulary.
+    assert cli_main(["generate", str(output), "--prompt", "1234", "--max-new-tokens", "3"]) == 0
+    assert "tok/s" in capsys.readouterr().err
+    assert cli_main(["cache", "lookup", str(checkpoint), *flags]) == 0
+    assert "hit" in capsys.readouterr().out
+    assert cli_main(["cache", "lookup", "--compile-cache-dir", str(cache_dir)]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    other_cache = shutil.copytree(cache_dir, tmp_path / "other-cache")
+    assert cli_main(["cache", "clear", "--compile-cache-dir", str(other_cache)]) == 0
+    assert "Removed 1" in capsys.readouterr().out
+
+
+def test_export_takes_the_graphs_from_a_hub_cache_repo(
+    exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_compilation
+) -> None:
+    """The graphs compiled by the fixture, published in a (stub) Hub compile-cache repository, are used by an
+    export with an empty local cache: only with trust_compiled_code=True, and verified by their hashes."""
+    checkpoint, _, cache_dir, model, _ = exported
+    (entry,) = CompileCache(cache_dir).entries()
+    hub = StubHubRepo(tmp_path / "hub")
+    shutil.copytree(cache_dir / entry["key"], hub.root / entry["key"])
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda **kwargs: hub)
+    monkeypatch.setenv("OPTIMUM_QWEN36_CACHE_REPO", "me/compile-cache")
+    local = tmp_path / "local-cache"
+    with pytest.raises(artifact.UntrustedCodeError, match="trust_compiled_code=True"):
+        NeuronQwen36ForCausalLM.from_pretrained(
+            checkpoint, export=True, backend="cpu", compile_cache_dir=local, **SETTINGS
+        )
+    again = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", compile_cache_dir=local, trust_compiled_code=True, **SETTINGS
+    )
+    assert dict(hub.calls)["snapshot_download"]["repo_id"] == "me/compile-cache"
+    assert CompileCache(local).lookup(entry["key"]) is not None  # now in the local cache too
+    assert torch.equal(_greedy(again), _greedy(model))

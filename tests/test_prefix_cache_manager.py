@@ -1,0 +1,406 @@
+"""Unit tests of the prefix cache manager, with a fake model whose state is a pure function of the prefix.
+
+The fake "state after tokens t[0:p]" is derived from a hash of t[0:p], so a restored checkpoint is
+correct exactly when it equals the fake state of the prefix it claims to summarise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from optimum_qwen36.prefix_caching import (
+    BlockPool,
+    CachedSequence,
+    GDNCheckpoint,
+    GDNStateSpec,
+    PrefixCache,
+    PrefixCacheConfig,
+    block_key,
+    chain_keys,
+    layer_checksums,
+    plan_prefill_chunks,
+    root_key,
+)
+
+SPEC = GDNStateSpec(num_layers=3, conv_shape=(6, 3), conv_dtype=torch.bfloat16, recurrent_shape=(2, 4, 4))
+BS = 64
+KV_BYTES = 1000  # per block, arbitrary
+
+
+def fake_state(prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    seed = int.from_bytes(hashlib.sha256(str(prefix).encode()).digest()[:7], "little")
+    gen = torch.Generator().manual_seed(seed)
+    conv = torch.randn((SPEC.num_layers, *SPEC.conv_shape), generator=gen).to(SPEC.conv_dtype)
+    rec = torch.randn((SPEC.num_layers, *SPEC.recurrent_shape), generator=gen)
+    return conv, rec
+
+
+def make_cache(budget: int = 10**9, num_blocks: int = 256, **kw) -> PrefixCache:
+    cfg = PrefixCacheConfig(budget_bytes=budget, identity="test-model", **kw)
+    return PrefixCache(cfg, num_blocks=num_blocks, kv_bytes_per_block=KV_BYTES, state_spec=SPEC)
+
+
+def run(
+    cache: PrefixCache, tokens: list[int], generated: list[int] = (), chunk: int = 128, check: bool = True
+) -> CachedSequence:
+    """Emulate generate() for one row: lookup, restore, chunked prefill with snapshots, decode, finish."""
+    seq = cache.begin(tokens)
+    hit, n = seq.cached_tokens, len(tokens)
+    assert hit % 64 == 0 and 0 <= hit < n
+    if hit:
+        conv = torch.empty((SPEC.num_layers, *SPEC.conv_shape), dtype=SPEC.conv_dtype)
+        rec = torch.empty((SPEC.num_layers, *SPEC.recurrent_shape))
+        cache.restore(seq, conv, rec)
+        want = fake_state(tokens[:hit])
+        assert torch.equal(conv, want[0]) and torch.equal(rec, want[1]), "restored a wrong state"
+    else:
+        assert seq.checkpoint is None
+    cache.ensure_blocks(seq, n)
+    for start, m in plan_prefill_chunks(hit, n, chunk, seq.snapshot_positions):
+        end = start + m
+        cache.commit(seq, end)
+        if end in seq.snapshot_positions:
+            cache.store_checkpoint(seq, end, *fake_state(tokens[:end]))
+    computed = n
+    if cache.decode_snapshot_due(seq, computed):
+        cache.stage_checkpoint(seq, computed, *fake_state(seq.token_ids[:computed]))
+    for i, tok in enumerate(generated):
+        seq.append_tokens([tok])
+        if i == len(generated) - 1:
+            break  # the last generated token is never fed to the model
+        cache.ensure_blocks(seq, computed + 1)
+        computed += 1
+        cache.commit(seq, computed)
+        if cache.decode_snapshot_due(seq, computed):
+            cache.stage_checkpoint(seq, computed, *fake_state(seq.token_ids[:computed]))
+    cache.finish(seq, computed)
+    if check:
+        check_invariants(cache)
+    return seq
+
+
+def check_invariants(cache: PrefixCache) -> None:
+    nodes = cache._nodes
+    children: dict[bytes, int] = dict.fromkeys(nodes, 0)
+    ckpt_bytes = 0
+    for key, node in nodes.items():
+        assert node.key == key and cache._node_of_block[node.block] is node
+        if node.parent is not None:
+            assert nodes.get(node.parent.key) is node.parent, "orphan block: its prefix was evicted"
+            children[node.parent.key] += 1
+        else:
+            assert node.depth == 1
+        if node.checkpoint is not None:
+            assert node.checkpoint.position == node.depth * BS and node.checkpoint.key == key
+            ckpt_bytes += node.checkpoint.nbytes
+    assert all(nodes[k].children == c for k, c in children.items())
+    stats = cache.stats()
+    assert stats["kv_bytes"] == len(nodes) * KV_BYTES
+    assert stats["checkpoint_bytes"] == ckpt_bytes
+    assert stats["bytes_used"] <= cache.config.budget_bytes
+    held = {b for b in range(1, cache.pool.num_blocks) if not cache.pool._is_free[b]}
+    assert set(cache._node_of_block) <= held
+    assert len(held) + cache.pool.num_free == cache.pool.num_blocks - 1
+
+
+def toks(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- building blocks
+def test_hashes_are_stable_chained_and_salted():
+    a = toks(200)
+    root = root_key("m")
+    keys = chain_keys(root, a, BS)
+    assert len(keys) == 3  # the partial block has no key
+    assert keys == chain_keys(root_key("m"), a, BS)
+    assert keys[1] == block_key(keys[0], a[64:128])
+    assert chain_keys(root_key("other model"), a, BS)[0] != keys[0]
+    b = [a[0] + 1, *a[1:]]  # a change in block 0 changes every later key
+    assert all(x != y for x, y in zip(chain_keys(root, b, BS), keys, strict=True))
+    # Fixed value: the hash must not depend on the process (Python's hash() would).
+    assert root_key("").hex() == root_key("").hex() and len(root_key("")) == 16
+
+
+def test_block_pool_refcounts_and_errors():
+    pool = BlockPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    assert {a, b} == {1, 2} and pool.allocate() is None
+    pool.incref(a)
+    assert pool.decref(a) == 1 and pool.decref(a) == 0
+    with pytest.raises(RuntimeError, match="released more times"):
+        pool.decref(a)
+    with pytest.raises(RuntimeError, match="still use it"):
+        pool.free(b)
+    pool.free(a)
+    with pytest.raises(RuntimeError, match="is free"):
+        pool.free(a)
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.incref(0)
+    with pytest.raises(ValueError, match="null block"):
+        BlockPool(1)
+
+
+def test_plan_prefill_chunks_ends_at_every_stop():
+    assert plan_prefill_chunks(0, 300, 128) == [(0, 128), (128, 128), (256, 44)]
+    assert plan_prefill_chunks(64, 300, 128, [64, 192, 256, 300, 999]) == [(64, 128), (192, 64), (256, 44)]
+    assert plan_prefill_chunks(0, 200, 128, [64]) == [(0, 64), (64, 128), (192, 8)]
+    with pytest.raises(ValueError):
+        plan_prefill_chunks(10, 10, 128)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="granularity"):
+        PrefixCacheConfig(budget_bytes=1, granularity=96)
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        PrefixCacheConfig(budget_bytes=1, granularity=128, checkpoint_interval=192)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixCacheConfig(budget_bytes=-1)
+    PrefixCacheConfig(budget_bytes=1, granularity=128, checkpoint_interval=0)
+
+
+def test_checkpoint_validation_catches_corruption():
+    conv, rec = fake_state([1, 2, 3])
+    ck = GDNCheckpoint.capture(b"k", 64, conv, rec)
+    assert ck.validate(SPEC, b"k", 64) is None
+    assert ck.nbytes == SPEC.nbytes
+    assert "key" in ck.validate(SPEC, b"x", 64)
+    assert "position" in ck.validate(SPEC, b"k", 128)
+    ck.recurrent[1].zero_()
+    assert "layer(s) [1]" in ck.validate(SPEC, b"k", 64)
+    ck = GDNCheckpoint.capture(b"k", 64, conv, rec)
+    ck.conv[2, 0, 0] += 1
+    assert "layer(s) [2]" in ck.validate(SPEC, b"k", 64)
+    ck = GDNCheckpoint.capture(b"k", 64, conv[:2], rec[:2])  # a layer missing
+    assert "shape" in ck.validate(SPEC, b"k", 64)
+    ck = GDNCheckpoint.capture(b"k", 64, conv, rec.to(torch.bfloat16))  # fp32 state is required
+    assert "dtype" in ck.validate(SPEC, b"k", 64)
+    # Checksums are exact integer sums: independent of the reduction order.
+    assert torch.equal(layer_checksums(rec), layer_checksums(rec.clone()))
+
+
+# ---------------------------------------------------------------- lookup policy
+def test_repeat_hits_and_prompts_shorter_than_a_block():
+    cache = make_cache()
+    assert run(cache, toks(40)).cached_tokens == 0
+    assert run(cache, toks(40)).cached_tokens == 0  # nothing aligned below 40 tokens
+    p = toks(300, seed=1)
+    assert run(cache, p).cached_tokens == 0
+    seq = run(cache, p)
+    assert seq.cached_tokens == 256 and seq.snapshot_positions == []
+    s = cache.stats()
+    assert s["lookups"] == 4 and s["hit_tokens"] == 256 and s["prompt_tokens"] == 680 and s["hits"] == 1
+
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+def test_exact_multiples_of_the_block_hit(n):
+    cache = make_cache()
+    p = toks(n, seed=n)
+    run(cache, p)
+    assert run(cache, p).cached_tokens == n - 64  # the last token is always recomputed
+
+
+def test_partial_prefix_ending_inside_a_block_and_siblings():
+    cache = make_cache(checkpoint_interval=0)
+    base = toks(150, seed=2)
+    a = [*base, *toks(60, seed=3)]
+    assert run(cache, a).cached_tokens == 0
+    b = [*base, *toks(70, seed=4)]  # diverges inside block 2 (tokens 128..191)
+    seq_b = run(cache, b)
+    assert seq_b.cached_tokens == 0 and 128 in seq_b.snapshot_positions  # the branch point
+    c = [*base, *toks(80, seed=5)]
+    assert run(cache, c).cached_tokens == 128  # later siblings hit the branch point
+    # A shorter prompt ending inside block 1: no checkpoint at 64 yet, so it is cold and takes one.
+    assert run(cache, base[:100]).cached_tokens == 0
+    assert run(cache, base[:100]).cached_tokens == 64
+
+
+def test_prefix_shorter_than_cached_prompt_uses_interval_checkpoints():
+    cache = make_cache(checkpoint_interval=256)
+    long = toks(1000, seed=6)
+    seq = run(cache, long)
+    assert seq.snapshot_positions == [256, 512, 768, 960]
+    assert run(cache, [*long[:600], 7, 7, 7]).cached_tokens == 512
+
+
+def test_multi_turn_reuses_the_generated_answer():
+    cache = make_cache(checkpoint_interval=0)
+    prompt = toks(100, seed=7)
+    answer = toks(90, seed=8)
+    run(cache, prompt, generated=answer)
+    # Tokens fed: 100 prompt + 89 answer = 189; the staged state at 128 is stored at finish.
+    nxt = [*prompt, *answer, *toks(30, seed=9)]
+    seq = run(cache, nxt)
+    assert seq.cached_tokens == 128
+    # An exact-multiple prompt: the state right after its prefill (position 128) is staged too.
+    cache2 = make_cache(checkpoint_interval=0)
+    prompt2 = toks(128, seed=10)
+    run(cache2, prompt2, generated=[5, 6])
+    assert run(cache2, [*prompt2, 5, 6, 1]).cached_tokens == 128
+
+
+def test_restore_is_exact_over_random_workload():
+    cache = make_cache(budget=40 * KV_BYTES + 3 * SPEC.nbytes, num_blocks=80, checkpoint_interval=128)
+    rng = random.Random(0)
+    stems = [toks(rng.randrange(50, 400), seed=100 + i) for i in range(4)]
+    for _ in range(60):
+        stem = rng.choice(stems)
+        p = [
+            *stem[: rng.randrange(1, len(stem) + 1)],
+            *toks(rng.randrange(1, 100), seed=rng.randrange(10**6)),
+        ]
+        run(
+            cache,
+            p,
+            generated=toks(rng.randrange(0, 80), seed=rng.randrange(10**6)),
+            chunk=rng.choice([64, 128, 512]),
+        )
+    s = cache.stats()
+    assert s["hits"] > 0 and s["blocks_evicted"] > 0 and s["checkpoints_evicted"] > 0
+
+
+# ---------------------------------------------------------------- sharing, memory, eviction
+def test_blocks_are_shared_and_refcounted():
+    cache = make_cache()
+    p = toks(300, seed=11)
+    first = run(cache, p)
+    seq = cache.begin(p)
+    assert seq.cached_tokens == 256
+    assert seq.block_ids == first.block_ids[:4]  # the shared prefix blocks, not copies
+    assert all(cache.pool.ref_count(b) == 1 for b in seq.block_ids)
+    cache.finish(seq)
+    assert all(cache.pool.ref_count(b) == 0 for b in first.block_ids[:4])
+    assert cache.pool.num_free == cache.pool.num_blocks - 1 - cache.stats()["cached_blocks"]
+
+
+def test_eviction_never_touches_in_flight_sequences():
+    cache = make_cache(budget=8 * KV_BYTES + SPEC.nbytes, checkpoint_interval=0)
+    p = toks(300, seed=12)
+    run(cache, p)
+    seq = cache.begin(p)  # holds 4 blocks and pins the checkpoint at 256
+    assert seq.cached_tokens == 256
+    for i in range(10):  # pressure: other prompts want the budget
+        run(cache, toks(200, seed=200 + i))
+    assert all(cache._node_of_block[b].key in cache._nodes for b in seq.block_ids)
+    assert seq.checkpoint is not None and seq.checkpoint.pins == 1
+    conv = torch.empty((SPEC.num_layers, *SPEC.conv_shape), dtype=SPEC.conv_dtype)
+    rec = torch.empty((SPEC.num_layers, *SPEC.recurrent_shape))
+    cache.restore(seq, conv, rec)
+    assert torch.equal(rec, fake_state(p[:256])[1])
+    cache.finish(seq)
+    check_invariants(cache)
+    run(cache, toks(200, seed=999))  # now the old prefix can go
+    check_invariants(cache)
+
+
+def test_budget_is_never_exceeded_and_checkpoints_die_with_their_prefix():
+    budget = 12 * KV_BYTES + 2 * SPEC.nbytes
+    cache = make_cache(budget=budget, checkpoint_interval=64)
+    for i in range(30):
+        run(cache, toks(320, seed=300 + i))
+        assert cache.stats()["bytes_used"] <= budget
+    s = cache.stats()
+    assert s["blocks_evicted"] > 0 and s["checkpoints_evicted"] > 0 and s["checkpoints_skipped"] == 0
+    # Every surviving checkpoint still has its whole KV prefix (check_invariants walks the parents).
+    assert s["checkpoints"] > 0
+
+
+def test_checkpoint_larger_than_budget_is_skipped():
+    cache = make_cache(budget=3 * KV_BYTES + SPEC.nbytes - 1)
+    p = toks(200, seed=13)
+    run(cache, p)
+    s = cache.stats()
+    assert s["checkpoints"] == 0 and s["checkpoints_skipped"] >= 1 and s["cached_blocks"] == 3
+    assert run(cache, p).cached_tokens == 0
+
+
+def test_pool_pressure_evicts_cached_blocks_then_fails_clearly():
+    cache = make_cache(num_blocks=6)  # 5 usable blocks
+    run(cache, toks(300, seed=14))  # 5 blocks, 4 full ones cached
+    run(cache, toks(300, seed=15))  # reuses them by evicting the old prefix
+    assert cache.stats()["blocks_evicted"] == 4
+    a = cache.begin(toks(300, seed=16))
+    cache.ensure_blocks(a, 300)
+    b = cache.begin(toks(10, seed=17))
+    with pytest.raises(RuntimeError, match="pool exhausted"):
+        cache.ensure_blocks(b, 10)
+    cache.finish(a)
+    cache.finish(b)
+    check_invariants(cache)
+
+
+def test_concurrent_duplicates_keep_their_own_blocks():
+    cache = make_cache(checkpoint_interval=0)
+    p = toks(260, seed=18)
+    s1, s2 = cache.begin(p), cache.begin(p)  # both cold: nothing cached yet
+    for s in (s1, s2):
+        cache.ensure_blocks(s, 260)
+    cache.commit(s1, 260)
+    cache.commit(s2, 260)  # same keys: s2 keeps its private blocks and holds s1's
+    assert set(s1.block_ids).isdisjoint(s2.block_ids)
+    cache.finish(s1, 260)
+    cache.clear()  # s1's blocks are still held by s2's chain
+    assert cache.stats()["cached_blocks"] == 4
+    assert cache.store_checkpoint(s2, 256, *fake_state(p[:256]))
+    cache.finish(s2, 260)
+    check_invariants(cache)
+    assert run(cache, p).cached_tokens == 256
+    cache.clear()
+    assert cache.stats()["bytes_used"] == 0 and cache.pool.num_free == cache.pool.num_blocks - 1
+
+
+def test_staged_state_beyond_the_computed_tokens_is_not_stored():
+    cache = make_cache(checkpoint_interval=0)
+    p = toks(64, seed=19)
+    seq = cache.begin(p)
+    cache.ensure_blocks(seq, 64)
+    cache.stage_checkpoint(seq, 64, *fake_state(p))
+    cache.finish(seq, 63)  # e.g. an error before the last chunk finished
+    assert cache.stats()["checkpoints"] == 0
+
+
+def test_bad_inputs_raise():
+    cache = make_cache()
+    with pytest.raises(ValueError, match="empty"):
+        cache.begin([])
+    seq = cache.begin(toks(100))
+    cache.ensure_blocks(seq, 100)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cache.store_checkpoint(seq, 50, *fake_state([]))
+    conv, rec = fake_state([])
+    with pytest.raises(ValueError, match="state spec"):
+        cache.store_checkpoint(seq, 64, conv, rec.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="exceeds"):
+        cache.commit(seq, 101)
+    with pytest.raises(RuntimeError, match="no checkpoint"):
+        cache.restore(seq, conv, rec)
+    cache.finish(seq)
+
+
+# ---------------------------------------------------------------- fault injection
+@pytest.mark.parametrize("fault", ["zero_layer", "wrong_position", "missing_layer", "flip_one_value"])
+def test_corrupted_checkpoint_is_never_used(fault):
+    cache = make_cache(checkpoint_interval=64)
+    p = toks(300, seed=20)
+    run(cache, p)
+    node = cache._nodes[chain_keys(cache._root, p, BS)[3]]
+    ck = node.checkpoint
+    assert ck is not None and ck.position == 256
+    if fault == "zero_layer":
+        ck.recurrent[2].zero_()
+    elif fault == "wrong_position":
+        ck.position = 192
+    elif fault == "missing_layer":
+        ck.conv = ck.conv[:-1]
+    else:
+        ck.recurrent.view(-1)[7] = ck.recurrent.view(-1)[7].nextafter(torch.tensor(1e9))
+    seq = run(cache, p)  # falls back to the next checkpoint down, which is sound
+    assert seq.cached_tokens == 192
+    s = cache.stats()
+    assert s["checkpoints_invalid"] == 1
+    assert run(cache, p).cached_tokens == 256  # the bad one was replaced by a fresh snapshot
