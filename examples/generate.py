@@ -1,7 +1,8 @@
 """Export a Qwen3.6-architecture model and generate from a real chat prompt.
 
-With no arguments, builds a small random checkpoint of the Qwen3.6 architecture (8 layers in the real
+With no arguments, builds a small random checkpoint of the Qwen3.6 architecture (4 layers in the real
 3 x Gated DeltaNet + 1 gated attention pattern, the real 248,320-token vocabulary and tokenizer), exports it
+(compiled for this machine's default backend: cpu without a GPU; the compile cache makes later runs fast)
 and generates. The text is gibberish (random weights); the point is the whole path from checkpoint to tokens.
 With --model PATH_OR_HUB_ID, a real Qwen3.5/3.6 checkpoint is used instead.
 
@@ -29,7 +30,7 @@ def build_random_checkpoint(directory: Path) -> Path:
         vocab_size=248320,
         hidden_size=256,
         intermediate_size=768,
-        num_hidden_layers=8,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=64,
@@ -53,7 +54,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="checkpoint directory or Hub id (default: a small random model)")
-    parser.add_argument("--backend", default="eager", help="eager (default), cpu, cuda or neuron")
+    parser.add_argument("--backend", help="cpu, cuda, neuron or eager (default: cuda with a GPU, else cpu)")
     parser.add_argument(
         "--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)"
     )

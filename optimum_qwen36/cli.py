@@ -18,20 +18,14 @@ import sys
 import time
 from collections.abc import Sequence
 
-import torch
-
 from .neuron_config import NEURON_CONFIG_NAME, SUPPORTED_BACKENDS, SUPPORTED_DTYPES
-
-
-def _default_backend() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         choices=SUPPORTED_BACKENDS,
-        default=_default_backend(),
+        default=None,
         help="what to compile for (default: cuda with a GPU, else cpu; eager = no compilation)",
     )
     parser.add_argument("--batch-size", type=int, default=1, help="rows generated together (default 1)")
@@ -91,9 +85,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = _export(args)
     model.save_pretrained(args.output_dir)
-    print(
-        f"Exported {args.model} ({args.backend}) to {args.output_dir} in {time.perf_counter() - start:.1f} s"
-    )
+    backend = model.neuron_config.backend
+    print(f"Exported {args.model} ({backend}) to {args.output_dir} in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -149,7 +142,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     settings = {k: v for k, v in _settings(args).items() if v is not None}
     neuron_config = NeuronQwen36ForCausalLM.get_neuron_config(args.model, revision=args.revision, **settings)
     text_config = text_config_of(load_config(resolve_checkpoint(args.model, revision=args.revision)))
-    key = compile_key(text_config.to_dict(), neuron_config.to_dict(), args.backend)
+    key = compile_key(text_config.to_dict(), neuron_config.to_dict(), neuron_config.backend)
     entry = CompileCache.lookup(cache, key)  # the local cache only: downloads nothing
     if entry is None and isinstance(cache, HubCompileCache) and cache.remote_has(key):
         print(f"hit in {cache.repo_id}: {key} (downloaded by an export with --trust-compiled-code)")

@@ -20,7 +20,7 @@ from optimum_qwen36.cli import main as cli_main
 from optimum_qwen36.exporters import artifact, backends
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
-SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
+SETTINGS = dict(batch_size=2, sequence_length=128, prefill_chunk_size=16, dtype="float32")
 PROMPT_LENGTHS = [5, 21]  # shorter than one prefill chunk, and two chunks
 NEW_TOKENS = 24
 
@@ -189,7 +189,16 @@ def test_cli_export_generate_and_cache(
     exported, tmp_path: Path, capsys: pytest.CaptureFixture, no_compilation
 ):
     checkpoint, _, cache_dir, _, _ = exported
-    flags = ["--backend", "cpu", "--batch-size", "2", "--sequence-length", "64", "--prefill-chunk-size", "16"]
+    flags = [
+        "--backend",
+        "cpu",
+        "--batch-size",
+        "2",
+        "--sequence-length",
+        "128",
+        "--prefill-chunk-size",
+        "16",
+    ]
     flags += ["--dtype", "float32", "--compile-cache-dir", str(cache_dir)]
     output = tmp_path / "cli-export"
     assert cli_main(["export", str(checkpoint), str(output), *flags]) == 0
@@ -230,3 +239,26 @@ def test_export_takes_the_graphs_from_a_hub_cache_repo(
     assert dict(hub.calls)["snapshot_download"]["repo_id"] == "me/compile-cache"
     assert CompileCache(local).lookup(entry["key"]) is not None  # now in the local cache too
     assert torch.equal(_greedy(again), _greedy(model))
+
+
+def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilation) -> None:
+    """The KV block pool is a dynamic dimension of the graphs: prefix caching (a larger pool) reuses the
+    compilation, and warm runs on the cpu backend give the cold tokens and logits."""
+    checkpoint, _, cache_dir, model, _ = exported
+    cached = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, prefix_caching=True, **SETTINGS
+    )
+    assert cached.backend.name == "cpu"
+    assert cached.new_cache().key_cache.shape[1] > model.new_cache().key_cache.shape[1]
+    input_ids, mask = left_padded_prompts([100, 9], seed=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)  # fmt: skip
+    cold = model.generate(input_ids, **kwargs)
+    first = cached.generate(input_ids, **kwargs)
+    warm = cached.generate(input_ids, **kwargs)
+    assert first.cached_tokens.tolist() == [0, 0]
+    assert warm.cached_tokens.tolist() == [64, 0]  # the first row's checkpoint at (100 - 1) // 64 * 64
+    for output in (first, warm):
+        assert torch.equal(output.sequences, cold.sequences)
+        for a, b in zip(output.logits, cold.logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

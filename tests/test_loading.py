@@ -52,7 +52,7 @@ def test_pickled_weights_are_refused(tiny_checkpoint) -> None:
 
 def test_foreign_model_type_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="runs Qwen3.5/Qwen3.6 checkpoints"):
+    with pytest.raises(ValueError, match=r"runs Qwen3\.5/Qwen3\.6 checkpoints"):
         export_eager(tmp_path)
 
 
@@ -117,6 +117,10 @@ def test_save_and_reload_generates_the_same_tokens(tiny_checkpoint, tmp_path: Pa
     assert torch.equal(model.generate(input_ids, **kwargs), reloaded.generate(input_ids, **kwargs))
     with pytest.raises(ValueError, match="only apply with export=True"):
         NeuronQwen36ForCausalLM.from_pretrained(saved, batch_size=4)
+    # Prefix caching does not change the compiled graphs: it can be switched on when loading.
+    with_cache = NeuronQwen36ForCausalLM.from_pretrained(saved, prefix_caching=True, prefix_cache_bytes=2**24)
+    assert with_cache.prefix_cache is not None and with_cache.neuron_config.prefix_cache_bytes == 2**24
+    assert torch.equal(with_cache.generate(input_ids, **kwargs), reloaded.generate(input_ids, **kwargs))
 
 
 def test_loading_an_unexported_directory_explains_what_to_do(tiny_checkpoint) -> None:
@@ -159,7 +163,13 @@ def test_hub_id_is_downloaded_with_safetensors_patterns(tiny_checkpoint, monkeyp
 
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot_download)
     model = NeuronQwen36ForCausalLM.from_pretrained(
-        "someone/tiny-qwen36", export=True, revision="main", batch_size=1, sequence_length=64, dtype="float32"
+        "someone/tiny-qwen36",
+        export=True,
+        revision="main",
+        backend="eager",
+        batch_size=1,
+        sequence_length=64,
+        dtype="float32",
     )
     assert model.neuron_config.checkpoint_id == "someone/tiny-qwen36"
     assert requests[0]["repo_id"] == "someone/tiny-qwen36" and requests[0]["revision"] == "main"

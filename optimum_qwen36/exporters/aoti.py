@@ -82,14 +82,22 @@ def compile_method(
     *,
     inductor_configs: Mapping[str, Any] | None = None,
     allow_copying_mutations: bool = False,
+    dynamic_shapes: Sequence[Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Export `model.<method>(*example_args)` with static shapes and compile it to `package_path` (.pt2).
+    """Export `model.<method>(*example_args)` and compile it to `package_path` (.pt2). Shapes are static
+    except where `dynamic_shapes` (one entry per argument, as for `torch.export`) says otherwise.
 
     Returns the tensors the package expects to be bound at load (weights, buffers, lifted constants), by
     the model's own names. Raises CopyingMutationError if an input mutation would copy the whole input."""
     start = time.perf_counter()
     with torch.no_grad():
-        program = torch.export.export(_MethodAsForward(model, method), tuple(example_args), strict=False)
+        program = torch.export.export(
+            _MethodAsForward(model, method),
+            tuple(example_args),
+            # The wrapper's forward takes *args: its one input is the tuple of arguments.
+            dynamic_shapes=None if dynamic_shapes is None else (tuple(dynamic_shapes),),
+            strict=False,
+        )
     exported = time.perf_counter()
     offenders = copied_mutations(program)
     if offenders and not allow_copying_mutations:

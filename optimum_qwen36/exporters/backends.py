@@ -66,6 +66,13 @@ def example_step_args(
     return {"prefill_chunk": prefill, "decode_step": decode}
 
 
+def kv_pool_dynamic_shapes(args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """Both steps end with (key_cache, value_cache, conv_state, recurrent_state). The number of KV blocks
+    is left dynamic, so the same graphs serve any block pool (e.g. the larger one of prefix caching)."""
+    blocks = torch.export.Dim("num_kv_blocks", min=2)
+    return (None,) * (len(args) - 4) + ({1: blocks}, {1: blocks}, None, None)
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer under every name it has (tied weights appear under each name)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -153,7 +160,9 @@ def _compile_steps(
     total = time.perf_counter()
     for method in tqdm(STEP_METHODS, desc="Compiling graphs", unit="graph", disable=None):
         start = time.perf_counter()
-        constants = compile_method(model, method, examples[method], out_dir / f"{method}.pt2")
+        args = examples[method]
+        path = out_dir / f"{method}.pt2"
+        constants = compile_method(model, method, args, path, dynamic_shapes=kv_pool_dynamic_shapes(args))
         extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
         logger.info("Compiled %s in %.1f s", method, time.perf_counter() - start)
     if extra:
@@ -170,6 +179,11 @@ def _describe(model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> di
         **{k: settings[k] for k in ("backend", "batch_size", "sequence_length", "prefill_chunk_size")},
         "dtype": settings["dtype"],
     }
+
+
+def default_backend() -> str:
+    """What `export` compiles for when no backend is named: cuda with a GPU, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def default_device(backend: str) -> str:

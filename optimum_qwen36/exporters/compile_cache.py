@@ -33,7 +33,16 @@ CACHE_ENV = "OPTIMUM_QWEN36_CACHE"
 CACHE_REPO_ENV = "OPTIMUM_QWEN36_CACHE_REPO"
 ENTRY_NAME = "entry.json"
 # Fields that do not change the compiled code.
-_NEURON_CONFIG_IGNORED = ("checkpoint_id", "checkpoint_revision")
+# Settings the compiled graphs do not depend on: the source checkpoint (weights are bound at load) and
+# prefix caching (it only changes the number of KV blocks, a dynamic dimension of the graphs).
+_NEURON_CONFIG_IGNORED = (
+    "checkpoint_id",
+    "checkpoint_revision",
+    "prefix_caching",
+    "prefix_cache_bytes",
+    "prefix_cache_granularity",
+    "prefix_cache_interval",
+)
 _MODEL_CONFIG_IGNORED = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
 
 

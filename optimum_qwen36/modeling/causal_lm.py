@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..exporters import artifact
-from ..exporters.backends import COMPILED_DIR, create_backend
+from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
@@ -42,6 +43,14 @@ OUTPUT_CACHE_FIELD = (
     "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 )
 
+# Settings a saved model can be loaded with: the compiled graphs do not depend on them.
+RUNTIME_SETTINGS = (
+    "prefix_caching",
+    "prefix_cache_bytes",
+    "prefix_cache_granularity",
+    "prefix_cache_interval",
+)
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -54,7 +63,7 @@ TOKENIZER_FILES = (
 
 class NeuronModelForCausalLM:
     """Base class, mirroring optimum-neuron: `from_pretrained(..., export=True)` turns a transformers
-    checkpoint    into a model for the chosen backend; `from_pretrained(artifact)` loads one that was saved.
+    checkpoint into a model for the chosen backend; `from_pretrained(artifact)` loads one that was saved.
 
     Called on this base class, `from_pretrained` picks the subclass registered for the checkpoint's
     model_type.
@@ -111,7 +120,7 @@ class NeuronModelForCausalLM:
         batch_size: int = 1,
         sequence_length: int | None = None,
         dtype: str | torch.dtype | None = None,
-        backend: str = "eager",
+        backend: str | None = None,
         prefill_chunk_size: int | None = None,
         kv_block_size: int = 64,
         tp_degree: int = 1,
@@ -122,7 +131,8 @@ class NeuronModelForCausalLM:
         revision: str | None = None,
         token: str | None = None,
     ) -> Qwen36NeuronConfig:
-        """The export settings for a checkpoint; defaults come from its config (dtype, context length)."""
+        """The export settings for a checkpoint; defaults come from its config (dtype, context length) and
+        the machine (backend: cuda with a GPU, else cpu; "eager" runs the PyTorch code uncompiled)."""
         checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)
         text_config = text_config_of(load_config(checkpoint_dir))
         if sequence_length is None:
@@ -137,7 +147,7 @@ class NeuronModelForCausalLM:
             prefill_chunk_size=prefill_chunk_size,
             kv_block_size=kv_block_size,
             dtype=dtype_name(dtype),
-            backend=backend,
+            backend=backend or default_backend(),
             tp_degree=tp_degree,
             prefix_caching=prefix_caching,
             prefix_cache_granularity=prefix_cache_granularity,
@@ -220,13 +230,14 @@ class NeuronModelForCausalLM:
                     compile_cache_dir, compile_cache_repo, trust_compiled_code=trusted, token=token
                 )
             return cls.export(model_id, neuron_config, revision=revision, token=token, compile_cache=cache)
-        if neuron_config_kwargs:
+        fixed = sorted(set(neuron_config_kwargs) - set(RUNTIME_SETTINGS))
+        if fixed:
             raise ValueError(
-                f"Export settings {sorted(neuron_config_kwargs)} only apply with export=True; a saved model "
-                "keeps the settings it was exported with."
+                f"Export settings {fixed} only apply with export=True; a saved model keeps the settings it "
+                f"was exported with (only {list(RUNTIME_SETTINGS)} can be changed when loading)."
             )
         directory, from_hub = artifact.resolve_artifact(model_id, revision=revision, token=token)
-        neuron_config = Qwen36NeuronConfig.load(directory)
+        neuron_config = dataclasses.replace(Qwen36NeuronConfig.load(directory), **neuron_config_kwargs)
         compiled = neuron_config.backend != "eager"
         if compiled and from_hub and not trust_compiled_code:
             raise artifact.UntrustedCodeError(
