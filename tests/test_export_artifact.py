@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from optimum_qwen36 import Qwen36NeuronConfig
-from optimum_qwen36.exporters import artifact
+from optimum_qwen36.exporters import artifact, compile_cache
 from optimum_qwen36.exporters.compile_cache import CompileCache, compile_key, default_cache_dir
 
 
@@ -108,6 +108,16 @@ def test_compile_key_ignores_the_checkpoint_but_not_shapes() -> None:
     assert key == compile_key({**model, "_name_or_path": "b"}, {**settings, "checkpoint_id": "y"}, "cpu")
     assert key != compile_key(model, {**settings, "sequence_length": 512}, "cpu")
     assert key != compile_key({**model, "hidden_size": 128}, settings, "cpu")
+    # Prefix caching only resizes the KV block pool, a dynamic dimension of the graphs.
+    assert key == compile_key(model, {**settings, "prefix_caching": True, "prefix_cache_bytes": 1}, "cpu")
+
+
+def test_compile_key_changes_with_the_graph_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = {"hidden_size": 64}
+    settings = Qwen36NeuronConfig(backend="cpu", sequence_length=256).to_dict()
+    key = compile_key(model, settings, "cpu")
+    monkeypatch.setattr(compile_cache, "graph_source_digest", lambda: "edited model code")
+    assert compile_key(model, settings, "cpu") != key
 
 
 def test_compile_cache_store_lookup_corrupt_and_clear(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Local cache of compiled graphs, keyed by everything that changes the compiled code.
 
 Weights are not compiled into the graphs (they are bound at load), so the key is the model *architecture*
-(config), the static shapes and dtype (neuron config minus the checkpoint id) and the software versions /
-CPU ISA: exporting another checkpoint of the same architecture reuses the compilation too.
+(config), the static shapes and dtype (neuron config minus the checkpoint id), the software versions /
+CPU ISA and the source of the code the graphs are traced from: exporting another checkpoint of the same
+architecture reuses the compilation too, while a change to the model code never reuses stale graphs.
 
 Location: $OPTIMUM_QWEN36_CACHE, else $XDG_CACHE_HOME/optimum-qwen36, else ~/.cache/optimum-qwen36.
 
@@ -14,6 +15,7 @@ and verified against its sha256s before it enters the local cache; a fresh compi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -53,12 +55,32 @@ def default_cache_dir() -> Path:
     return Path(base) / "optimum-qwen36"
 
 
+@functools.cache
+def graph_source_digest() -> str:
+    """sha256 of the modules the compiled graphs are traced from (the model and the GDN twins): the package
+    version does not change between development commits, so it alone would let stale graphs be reused."""
+    from ..modeling import qwen36
+    from ..nki import kernels
+
+    kernel_dir = Path(kernels.__file__).parent
+    sources = [
+        Path(qwen36.__file__),
+        kernel_dir.parent / "__init__.py",
+        *sorted(kernel_dir.glob("*_torch.py")),
+    ]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def compile_key(model_config: Mapping[str, Any], neuron_config: Mapping[str, Any], backend: str) -> str:
-    """sha256 of the canonical JSON of (architecture, export settings, versions and ISA)."""
+    """sha256 of the canonical JSON of (architecture, export settings, versions and ISA, graph source)."""
     payload = {
         "model": {k: v for k, v in model_config.items() if k not in _MODEL_CONFIG_IGNORED},
         "neuron": {k: v for k, v in neuron_config.items() if k not in _NEURON_CONFIG_IGNORED},
         "environment": environment(backend),
+        "graph_source": graph_source_digest(),
     }
     canonical = json.dumps(payload, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
