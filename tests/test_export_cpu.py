@@ -262,3 +262,24 @@ def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilatio
         assert torch.equal(output.sequences, cold.sequences)
         for a, b in zip(output.logits, cold.logits, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
+    """The decode graph's batch is dynamic: one row runs as one row (not the exported 2), same tokens."""
+    checkpoint, _, _, model, _ = exported
+    seen: list[int] = []
+    graph = model.backend.graphs["decode_step"]
+
+    def recording(*args: torch.Tensor) -> torch.Tensor:
+        seen.append(args[0].shape[0])
+        return graph(*args)
+
+    model.backend.graphs["decode_step"] = recording
+    try:
+        prompt, _ = left_padded_prompts([21], seed=1)
+        ours = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    finally:
+        model.backend.graphs["decode_step"] = graph
+    assert set(seen) == {1}
+    eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
+    assert torch.equal(ours, eager.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))

@@ -66,11 +66,17 @@ def example_step_args(
     return {"prefill_chunk": prefill, "decode_step": decode}
 
 
-def kv_pool_dynamic_shapes(args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+def step_dynamic_shapes(method: str, args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     """Both steps end with (key_cache, value_cache, conv_state, recurrent_state). The number of KV blocks
-    is left dynamic, so the same graphs serve any block pool (e.g. the larger one of prefix caching)."""
+    is left dynamic, so the same graphs serve any block pool (e.g. the larger one of prefix caching), and
+    so is decode's batch (input_ids, positions, block_tables), so only the active rows are computed."""
     blocks = torch.export.Dim("num_kv_blocks", min=2)
-    return (None,) * (len(args) - 4) + ({1: blocks}, {1: blocks}, None, None)
+    kv = ({1: blocks}, {1: blocks}, None, None)
+    slots = args[-1].shape[1]
+    if method == "decode_step" and slots > 1:  # an example batch of 1 would be specialised
+        batch = torch.export.Dim("batch", min=1, max=slots)
+        return ({0: batch}, {0: batch}, {0: batch}, *kv)
+    return (None,) * (len(args) - 4) + kv
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -82,6 +88,8 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class AOTIBackend:
     """The `cpu` (or `cuda`) backend: each step is an AOTInductor graph updating the cache in place."""
+
+    decodes_any_batch = True
 
     def __init__(self, files_dir: Path, weights: dict[str, torch.Tensor], device: str) -> None:
         self.name = torch.device(device).type
@@ -162,7 +170,8 @@ def _compile_steps(
         start = time.perf_counter()
         args = examples[method]
         path = out_dir / f"{method}.pt2"
-        constants = compile_method(model, method, args, path, dynamic_shapes=kv_pool_dynamic_shapes(args))
+        dynamic = step_dynamic_shapes(method, args)
+        constants = compile_method(model, method, args, path, dynamic_shapes=dynamic)
         extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
         logger.info("Compiled %s in %.1f s", method, time.perf_counter() - start)
     if extra:

@@ -13,6 +13,8 @@ class StepBackend(Protocol):
     """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results)."""
 
     name: str
+    # Whether decode_step accepts fewer rows than the exported batch (else callers pad to the full batch).
+    decodes_any_batch: bool
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
 
@@ -23,6 +25,7 @@ class EagerBackend:
     """The reference backend: the model's own PyTorch code, uncompiled."""
 
     name = "eager"
+    decodes_any_batch = True
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model

@@ -465,7 +465,7 @@ class NeuronModelForCausalLM:
             )
         if (cache.batch_size, cache.sequence_length) != (self.neuron_config.batch_size, capacity):
             raise ValueError("past_key_values was created by a model exported with other shapes.")
-        # Rows beyond this call's batch are dropped: the decode steps run them on dummy tokens.
+        # Rows beyond this call's batch are dropped: static-batch backends run them on dummy tokens.
         cache.seq_lens[len(rows) :] = 0
         for b, tokens in enumerate(rows):
             cached = cache.cached_tokens(b)
@@ -516,13 +516,17 @@ class NeuronModelForCausalLM:
         return torch.cat(last_logits, dim=0)
 
     def _decode(self, tokens: torch.Tensor, cache: Qwen36HybridCache) -> torch.Tensor:
-        """Feed one token per row; rows beyond the caller's batch run on a dummy token and are discarded."""
+        """Feed one token per row. Backends with a static batch also run the rows beyond the caller's batch,
+        on a dummy token, and those are discarded."""
         batch = tokens.shape[0]
-        input_ids = torch.zeros((self.neuron_config.batch_size, 1), dtype=torch.long)
+        rows = batch if getattr(self.backend, "decodes_any_batch", False) else self.neuron_config.batch_size
+        input_ids = torch.zeros((rows, 1), dtype=torch.long)
         input_ids[:batch, 0] = tokens
-        positions = cache.seq_lens.clone()
+        positions = cache.seq_lens[:rows].clone()
         positions[batch:] = 0
-        logits = self.backend.decode_step(input_ids, positions, cache.block_tables, *cache.step_tensors())
+        logits = self.backend.decode_step(
+            input_ids, positions, cache.block_tables[:rows], *cache.step_tensors()
+        )
         for row in range(batch):
             cache.record_tokens(row, tokens[row : row + 1])
         return logits[:batch]

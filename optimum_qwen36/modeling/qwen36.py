@@ -368,8 +368,11 @@ class Qwen36ForCausalLM(nn.Module):
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
     ) -> torch.Tensor:
-        """One token for every row: input_ids [B, 1], positions [B] (int64), block_tables [B, max_blocks].
-        Row b uses GDN cache slot b. Returns float32 logits [B, vocab]."""
+        """One token for each of B rows: input_ids [B, 1], positions [B] (int64), block_tables [B, max_blocks]
+        (row b uses GDN cache slot b; B may be smaller than the cache's slots: only active rows are run).
+        Returns float32 logits [B, vocab]."""
+        batch = input_ids.shape[0]
+        rows = torch.arange(batch, device=input_ids.device)
         block_size = key_cache.shape[2]
         positions = positions.unsqueeze(1)
         write_slots = self._slots(positions, block_tables, block_size)
@@ -382,11 +385,11 @@ class Qwen36ForCausalLM(nn.Module):
             normed = layer.input_layernorm(hidden)
             if layer.layer_type == LINEAR_ATTENTION:
                 out, new_conv, new_recurrent = layer.linear_attn.decode(
-                    normed, conv_state[cache_idx], recurrent_state[cache_idx]
+                    normed, conv_state[cache_idx, :batch], recurrent_state[cache_idx, :batch]
                 )
-                layer_index = (torch.full((1,), cache_idx, device=input_ids.device),)
-                conv_state.index_put_(layer_index, new_conv.to(conv_state.dtype).unsqueeze(0))
-                recurrent_state.index_put_(layer_index, new_recurrent.unsqueeze(0))
+                state_index = (torch.full_like(rows, cache_idx), rows)
+                conv_state.index_put_(state_index, new_conv.to(conv_state.dtype))
+                recurrent_state.index_put_(state_index, new_recurrent)
             else:
                 out = layer.self_attn(
                     normed, cos, sin, write_slots, block_tables, attend,
