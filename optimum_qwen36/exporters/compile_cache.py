@@ -57,8 +57,9 @@ def default_cache_dir() -> Path:
 
 @functools.cache
 def graph_source_digest() -> str:
-    """sha256 of the modules the compiled graphs are traced from (the model and the GDN twins): the package
-    version does not change between development commits, so it alone would let stale graphs be reused."""
+    """sha256 of the code the compiled graphs come from (the model, the GDN twins, and how this package
+    exports them): the package version does not change between development commits, so it alone would let
+    stale graphs be reused."""
     from ..modeling import qwen36
     from ..nki import kernels
 
@@ -67,6 +68,8 @@ def graph_source_digest() -> str:
         Path(qwen36.__file__),
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
+        Path(__file__).parent / "aoti.py",
+        Path(__file__).parent / "backends.py",
     ]
     digest = hashlib.sha256()
     for path in sources:
