@@ -270,7 +270,8 @@ class NeuronModelForCausalLM:
         artifact.write_manifest(save_directory, self.neuron_config.backend, self.neuron_config.tp_degree)
 
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
-        state = {k: v for k, v in self.model.state_dict().items() if k in dict(self.model.named_parameters())}
+        # named_parameters() lists a tied weight once: the checkpoint keeps only the embedding.
+        state = {name: p.detach() for name, p in self.model.named_parameters()}
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
             save_file({n: state[n].contiguous() for n in names}, os.path.join(directory, filename))
