@@ -142,7 +142,7 @@ def bench_decode(dtypes: list[torch.dtype], steps: int = 256) -> list[dict]:
 
 def sweep_blocks(seq_len: int = 4096, accuracy_len: int = 1024) -> list[dict]:
     """Speed (random inputs, T=seq_len) and accuracy (hard inputs: weak decays, correlated keys, beta
-    near 1, T=accuracy_len) of chunk size x base block of the intra-chunk inverse."""
+    near 1, T=accuracy_len) of tile (chunk) size x base block of the intra-tile inverse."""
     speed_inputs = make_gdn_inputs(seq_len=seq_len, **HEADS)
     hard_inputs = make_gdn_inputs(seq_len=accuracy_len, **HEADS, **HARD)
     ref_o, _ = reference_gated_delta_rule(**hard_inputs)
@@ -157,7 +157,7 @@ def sweep_blocks(seq_len: int = 4096, accuracy_len: int = 1024) -> list[dict]:
 
             def run(inputs: dict, c: int = chunk_size, b: int = base_block) -> torch.Tensor:
                 return chunk_twin.chunk_gated_delta_rule_torch(
-                    **inputs, scale=HEADS["k_dim"] ** -0.5, chunk_size=c, base_block=b
+                    **inputs, scale=HEADS["k_dim"] ** -0.5, chunk_size=c, tile_size=c, base_block=b
                 )[0]
 
             row = {

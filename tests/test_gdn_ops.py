@@ -122,11 +122,12 @@ def test_neumann_power_doubling_breaks_but_blocked_inverse_does_not(regime: str)
 
 
 def test_full_chunk_power_series_is_unusable_in_the_twin() -> None:
-    """base_block = chunk_size turns the twin's solve into the Neumann product: it must be far worse."""
+    """base_block = tile_size turns the twin's solve into the Neumann product: it must be far worse."""
     inputs = _inputs((1, 128, 2, 6, 64, 64), seed=11, **HARD)
     ref_o, _ = reference_gated_delta_rule(**inputs)
-    ours = chunk_twin.chunk_gated_delta_rule_torch(**inputs, scale=64**-0.5)[0]
-    neumann = chunk_twin.chunk_gated_delta_rule_torch(**inputs, scale=64**-0.5, base_block=64)[0]
+    one_tile = {"scale": 64**-0.5, "tile_size": 64}
+    ours = chunk_twin.chunk_gated_delta_rule_torch(**inputs, **one_tile)[0]
+    neumann = chunk_twin.chunk_gated_delta_rule_torch(**inputs, **one_tile, base_block=64)[0]
     assert max_rel_error(ours, ref_o) <= 1e-5
     assert max_rel_error(neumann, ref_o) > 1e-2
 

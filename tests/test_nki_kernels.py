@@ -79,7 +79,11 @@ def test_prefill_hard_inputs_at_per_rank_shapes() -> None:
     o, final = run_chunk(inputs, initial_state=state0, output_final_state=True)
     ref_o, ref_states = reference_gated_delta_rule(**inputs, initial_state=state0)
     twin_o, twin_final = chunk_gated_delta_rule_torch(
-        **inputs, scale=inputs["k"].shape[-1] ** -0.5, initial_state=state0, output_final_state=True
+        **inputs,
+        scale=inputs["k"].shape[-1] ** -0.5,
+        initial_state=state0,
+        output_final_state=True,
+        tile_size=64,
     )
     hf_o = torch_chunk_gated_delta_rule(*inputs.values(), initial_state=state0)[0]
     err, hf_err = max_rel_error(o, ref_o), max_rel_error(hf_o, ref_o)
@@ -104,7 +108,7 @@ def test_prefill_matches_pytorch_twin() -> None:
     kwargs = dict(initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                   output_chunk_states=True)  # fmt: skip
     ours = run_chunk(inputs, **kwargs)
-    twin = chunk_gated_delta_rule_torch(**inputs, scale=inputs["k"].shape[-1] ** -0.5, **kwargs)
+    twin = chunk_gated_delta_rule_torch(**inputs, scale=inputs["k"].shape[-1] ** -0.5, tile_size=64, **kwargs)
     for actual, expected in zip(ours, twin, strict=True):
         assert max_rel_error(actual, expected) <= TWIN_TOL
 
