@@ -184,9 +184,9 @@ def _chunk_one_sequence(
         to_last = decay[..., -1, :].transpose(-1, -2).unsqueeze(-1).contiguous()
         tile_decay = exp_cum[..., -1].view(nb, num_k_heads, 1, group, 1)  # e^(c_last)
         t_beta, attn = (x.reshape(nb, num_v_heads, size, size) for x in (t_beta, attn))
-        # [nb, H, r, C, V] float32, contiguous: the addend of v - e^c k S sets that product's layout.
-        values = vb.view(nb, size, num_k_heads, group, v_dim).permute(0, 2, 3, 1, 4).to(f32, copy=True)
-        values = values.contiguous()
+        # [nb, H, r, C, V], a view of v: the product v - e^c k S keeps v's token-major layout, in which
+        # its [HV, C, V] batch for T_b is still a view (strided rows), so v is never copied.
+        values = vb.view(nb, size, num_k_heads, group, v_dim).permute(0, 2, 3, 1, 4)
         # No out= arguments and .reshape() after elementwise ops: torch.export's functionalisation does not
         # keep an out= buffer's strides, and reshape stays a view wherever the layout allows.
         for n in range(nb):  # the only sequential part
