@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import l2norm
+from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import prepare_qk
 
 DEFAULT_BASE_BLOCK = 2
 # Tokens per tile of the chunked form on CPU. 32 needs 12% fewer multiply-adds per token than 64 (the
@@ -123,13 +123,14 @@ def _chunk_one_sequence(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float,
+    use_qk_l2norm: bool,
     state: torch.Tensor,
     tile: int,
     base_block: int,
     chunk_states: list[torch.Tensor] | None,
     tiles_per_chunk: int,
 ) -> None:
-    """One sequence: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] (already float32 where it matters).
+    """One sequence: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV], any float dtype.
 
     Writes o [T, HV, V]; `state` is the float32 state grouped by key head, [H, K, r, V], updated in place;
     appends the [HV, K, V] state after every tiles_per_chunk tiles (and after the last) to chunk_states.
@@ -155,9 +156,10 @@ def _chunk_one_sequence(
         if pad:  # padded tokens: g = 0, beta = 0, k = 0, so they leave the state untouched
             qb, kb, vb = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (qb, kb, vb))
             gb, bb = (F.pad(x, (0, 0, 0, pad)) for x in (gb, bb))
-        # [k; scale q] per tile and key head [nb, H, 2C, K]: scale rides on QK^T and on q S.
-        kb, qb = (x.view(nb, size, num_k_heads, k_dim).transpose(1, 2).to(f32) for x in (kb, qb))
-        kq = torch.cat((kb, qb * scale), dim=2)
+        # [k; scale q] per tile and key head [nb, H, 2C, K]: scale rides on QK^T and on q S. Normalised per
+        # block, like everything else: no whole-sequence float32 copies of q and k.
+        qb, kb = prepare_qk(qb, kb, scale, use_qk_l2norm)
+        kq = torch.cat([x.view(nb, size, num_k_heads, k_dim).transpose(1, 2) for x in (kb, qb)], dim=2)
         keys = kq[:, :, :size]
         # Value-head tensors [nb, H, r, ...]; key-head ones broadcast over r (never repeat_interleave'd).
         gb, bb = (
@@ -236,8 +238,6 @@ def chunk_gated_delta_rule_torch(
     tile = min(chunk_size, DEFAULT_TILE) if tile_size is None else tile_size
     if tile < 1 or tile & (tile - 1) or chunk_size % tile:
         raise ValueError(f"tile_size must be a power of two dividing chunk_size={chunk_size}, got {tile}")
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q.float()), l2norm(k.float())
     o = torch.empty(batch, seq_len, num_v_heads, v_dim, dtype=v.dtype, device=q.device)
     finals, states = [], []
     for row in range(batch):  # sequences are independent; one at a time keeps every view a plain view
@@ -246,10 +246,11 @@ def chunk_gated_delta_rule_torch(
             state.copy_(initial_state[row].view(num_k_heads, group, k_dim, v_dim).transpose(1, 2))
         row_states = [] if output_chunk_states else None
         _chunk_one_sequence(
-            o[row], q[row], k[row], v[row], g[row], beta[row], scale, state, tile, base_block, row_states,
-            chunk_size // tile,
+            o[row], q[row], k[row], v[row], g[row], beta[row], scale, use_qk_l2norm_in_kernel, state, tile,
+            base_block, row_states, chunk_size // tile,
         )  # fmt: skip
-        finals.append(state.transpose(1, 2).reshape(num_v_heads, k_dim, v_dim))
+        if output_final_state:
+            finals.append(state.transpose(1, 2).reshape(num_v_heads, k_dim, v_dim))
         if row_states is not None:
             states.append(torch.stack(row_states))
     final = torch.stack(finals) if output_final_state else None
