@@ -8,8 +8,10 @@ A sweep over chunk size and base block records the speed/accuracy trade-off of t
 
     python benchmarks/bench_gdn.py            # full run, 1 thread (several minutes)
     python benchmarks/bench_gdn.py --quick    # T = 512, 4096 only, no sweep
+    python benchmarks/bench_gdn.py --profile  # where our prefill's time goes (T = 4096, float32)
 One thread by default: on a shared box OpenMP barriers make multi-threaded runs erratic.
-Writes benchmarks/results/bench_gdn.json and benchmarks/results/bench_gdn.png.
+Writes benchmarks/results/bench_gdn.json and benchmarks/results/bench_gdn.png (--profile:
+benchmarks/results/bench_gdn_profile.json).
 """
 
 from __future__ import annotations
@@ -206,12 +208,57 @@ def plot(prefill: list[dict], decode: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def profile_prefill(seq_len: int = 4096, calls: int = 3, top: int = 15) -> dict:
+    """torch.profiler shares of self CPU time per op and input shapes for our float32 prefill, the matmuls'
+    achieved GFLOP/s, and a 2048^3 float32 matmul's GFLOP/s as this core's practical peak."""
+    from torch.profiler import profile
+
+    inputs = make_gdn_inputs(seq_len=seq_len, **HEADS)
+    chunk_gated_delta_rule(**inputs)
+    with profile(record_shapes=True, with_flops=True) as prof:
+        for _ in range(calls):
+            chunk_gated_delta_rule(**inputs)
+    events = prof.key_averages(group_by_input_shape=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = [
+        {
+            "op": e.key,
+            "input_shapes": str(e.input_shapes),
+            "share": e.self_cpu_time_total / total,
+            # matmuls only (profiler flops of elementwise ops are element counts); time in us
+            "gflop_s": e.flops / e.self_cpu_time_total / 1e3 if e.flops and "mm" in e.key else None,
+        }
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    ]
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    peak_s = best_times([lambda: a @ b], 5)[0]
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "T": seq_len,
+        "ms_per_call": total / calls / 1e3,
+        "gemm_2048_gflop_s": 2 * 2048**3 / peak_s / 1e9,
+        "ops": rows,
+    }
+    print(f"prefill T={seq_len} float32: {result['ms_per_call']:.1f} ms/call (profiled); "
+          f"2048^3 float32 matmul {result['gemm_2048_gflop_s']:.1f} GFLOP/s")  # fmt: skip
+    for r in rows:
+        rate = f"{r['gflop_s']:6.1f} GFLOP/s" if r["gflop_s"] else ""
+        print(f"{r['share']:6.1%}  {r['op']:<20s} {rate:>15s}  {r['input_shapes']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = 512 and 4096 only, no sweep")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--profile", action="store_true", help="profile our prefill at T = 4096 only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        result = profile_prefill()
+        (RESULTS / "bench_gdn_profile.json").write_text(json.dumps(result, indent=2) + "\n")
+        return
     lengths = [512, 4096] if args.quick else [512, 1024, 2048, 4096, 8192]
     dtypes = [torch.float32, torch.bfloat16]
 
