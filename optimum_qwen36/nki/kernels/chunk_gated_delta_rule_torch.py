@@ -7,7 +7,8 @@ per tile and head every matmul contracts over <= 128; the NKI kernel uses 64-tok
 * Decays only enter as pairwise differences exp(c_i - c_j) (c = in-tile cumsum of g) for j <= i, plus
   exp(c_i), all <= 1. Nothing can overflow. c_i - c_j is summed directly over the tokens between j and
   i, not subtracted (cancellation with strong decays); the exponent is masked to 0 above the diagonal
-  before the exp, and those entries are then dropped by the causal masks of KK^T and QK^T.
+  before the exp; the causal mask of QK^T drops those entries, and the inverse never reads A's diagonal
+  or upper triangle.
 * The unit-lower-triangular system (I + A) is inverted exactly and stably: the base_block diagonal
   blocks are nilpotent ((I + N)^-1 = I - N for 2x2 blocks), then neighbouring blocks are merged level
   by level (block forward substitution, all pairs of a level at once). No long power series:
@@ -23,6 +24,9 @@ per tile and head every matmul contracts over <= 128; the NKI kernel uses 64-tok
   then its tiles in sequence): the intermediates stay small (cache-resident, and below glibc's mmap
   threshold, whose fresh pages cost a page fault each), so the cost per token does not grow with T.
   Sequences of a batch are processed one after the other (prefill is one sequence in the model).
+* The per-tile loop is 8 ATen calls and no views: its products are written (out=) into buffers allocated
+  once per call, whose views are made once, and o straight into token-major views of the output. On CPU
+  the loop costs Python dispatch per call, and the reused buffers stay cache-resident.
 
 Inputs are assumed validated by :mod:`optimum_qwen36.nki`; all arithmetic and states are float32.
 """
@@ -34,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import prepare_qk
+from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import inverse_l2_norm
 
 DEFAULT_BASE_BLOCK = 2
 # Tokens per tile of the chunked form on CPU. 32 needs 12% fewer multiply-adds per token than 64 (the
@@ -60,19 +64,32 @@ def _diagonal_blocks(a: torch.Tensor, size: int) -> torch.Tensor:
     return torch.diagonal(blocks, dim1=-4, dim2=-2).movedim(-1, -3)
 
 
-def _level_coupling_masks(
-    size: int, levels: list[int], dtype: torch.dtype, device: torch.device
+def unit_lower_inverse_masks(
+    chunk: int, base_block: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[len(levels), size, size]: for each level s, the mask of the blocks L that it merges, i.e. the
-    lower-left s x s block of every [[Ta, 0], [L, Tb]] pair of s x s blocks."""
-    pos = torch.arange(size, device=device)
+    """The constant masks of :func:`invert_unit_lower` for chunk x chunk systems, [1 + levels, d, d] with d
+    its dense block size: the strictly lower part of the base_block diagonal blocks (their nilpotent part),
+    then for each merge level s = base_block, 2 base_block, ... < d the lower-left s x s block of a pair."""
+    base = min(base_block, chunk)
+    dense = min(max(DENSE_BLOCK, base), chunk)
+    pos = torch.arange(dense, device=device)
     rows, cols = pos.unsqueeze(-1), pos
-    masks = [(rows // (2 * s) == cols // (2 * s)) & (rows // s != cols // s) for s in levels]
+    masks = [(rows // base == cols // base) & (rows > cols)]
+    masks += [(rows // (2 * s) == cols // (2 * s)) & (rows // s > cols // s) for s in _levels(base, dense)]
     return torch.stack(masks).to(dtype)
 
 
-def invert_unit_lower(a: torch.Tensor, base_block: int = DEFAULT_BASE_BLOCK) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (any strides); C and base_block powers of two.
+def _levels(base: int, size: int) -> list[int]:
+    """Merge levels base, 2 base, ... < size."""
+    return [base << i for i in range((size // base).bit_length() - 1)]
+
+
+def invert_unit_lower(
+    a: torch.Tensor, base_block: int = DEFAULT_BASE_BLOCK, masks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(I + A)^-1 for A the strictly lower triangle of a [..., C, C] (any strides; the diagonal and above are
+    never read); C and base_block powers of two. masks: unit_lower_inverse_masks(C, base_block, ...), if the
+    caller has them.
 
     The base_block diagonal blocks N of A are nilpotent (N^base_block = 0), so their inverse is the
     exact product (I - N)(I + N^2)...(I + N^(base_block/2)) (just I - N for the default 2x2 blocks).
@@ -84,35 +101,54 @@ def invert_unit_lower(a: torch.Tensor, base_block: int = DEFAULT_BASE_BLOCK) -> 
     """
     chunk = a.shape[-1]
     base = min(base_block, chunk)
-    dense = min(max(DENSE_BLOCK, base), chunk)
-    blocks = _diagonal_blocks(a, dense)  # [..., chunk / dense, dense, dense]
-    pos = torch.arange(dense, device=a.device)
-    same_base_block = (pos.unsqueeze(-1) // base == pos // base).to(a.dtype)
-    nilpotent = (blocks * same_base_block).reshape(-1, dense, dense)
+    if masks is None:
+        masks = unit_lower_inverse_masks(chunk, base_block, a.dtype, a.device)
+    dense = masks.shape[-1]
+    blocks = _diagonal_blocks(a, dense)  # [..., chunk / dense, dense, dense], a view
+    # One pass: the nilpotent parts and every level's couplings, each level's a contiguous [M, dense, dense].
+    parts = torch.mul(blocks, masks.view(-1, *[1] * (blocks.dim() - 2), dense, dense))
+    nilpotent, *couplings = parts.view(masks.shape[0], -1, dense, dense).unbind()
     inverse = torch.eye(dense, dtype=a.dtype, device=a.device) - nilpotent  # I - N
     power = nilpotent
     for _ in range(base.bit_length() - 2):  # log2(base_block) - 1 doubling rounds
         power = torch.bmm(power, power)
         inverse = torch.baddbmm(inverse, inverse, power)
-    levels = [base << i for i in range((dense // base).bit_length() - 1)]  # base, 2 base, ... < dense
-    if levels:
-        masks = _level_coupling_masks(dense, levels, a.dtype, a.device)
-        couplings = (blocks.unsqueeze(-3) * masks).reshape(-1, len(levels), dense, dense)
-        for i in range(len(levels)):
-            inverse = torch.baddbmm(inverse, inverse, torch.bmm(couplings[:, i], inverse), alpha=-1)
-    if dense == chunk:
-        return inverse.view(a.shape)
-    dense_inverse = inverse
-    inverse = torch.zeros(a.shape, dtype=a.dtype, device=a.device)
-    _diagonal_blocks(inverse, dense).copy_(dense_inverse.view(blocks.shape))
-    size = dense
-    while size < chunk:
-        for lo in range(0, chunk, 2 * size):
-            mid, hi = lo + size, lo + 2 * size
-            merged = inverse[..., mid:hi, mid:hi] @ (a[..., mid:hi, lo:mid] @ inverse[..., lo:mid, lo:mid])
-            inverse[..., mid:hi, lo:mid] = merged.neg_()
-        size *= 2
-    return inverse
+    for coupling in couplings:
+        inverse = torch.baddbmm(inverse, inverse, torch.bmm(coupling, inverse), alpha=-1)
+    inverse = inverse.view(blocks.shape)
+    for size in _levels(dense, chunk):  # pairs of size x size diagonal blocks, as plain slices
+        pairs = inverse.unflatten(-3, (-1, 2))  # [..., n, 2, size, size]
+        upper, lower = pairs.unbind(-3)
+        merged = torch.empty(*pairs.shape[:-3], 2 * size, 2 * size, dtype=a.dtype, device=a.device)
+        merged[..., :size, :size] = upper
+        merged[..., :size, size:] = 0
+        merged[..., size:, size:] = lower
+        merged[..., size:, :size] = torch.matmul(lower, _lower_left_blocks(a, size) @ upper).neg_()
+        inverse = merged
+    return inverse.view(a.shape)
+
+
+def _lower_left_blocks(a: torch.Tensor, size: int) -> torch.Tensor:
+    """The lower-left size x size block of each pair of size x size diagonal blocks of a [..., C, C], as a
+    view [..., C / (2 size), size, size]."""
+    num = a.shape[-1] // (2 * size)
+    pairs = a.unflatten(-1, (num, 2, size)).unflatten(-4, (num, 2, size))  # [..., n, 2, size, n, 2, size]
+    return torch.diagonal(pairs[..., :, 1, :, :, 0, :], dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _tile_keys_queries(
+    q: torch.Tensor, k: torch.Tensor, size: int, scale: float, use_qk_l2norm: bool
+) -> torch.Tensor:
+    """[k; scale q] per tile and key head, float32 [T / size, H, 2 size, K], L2-normalised first if asked
+    (T a multiple of size): one float32 copy of q and k, normalised and scaled in place."""
+    seq_len, num_k_heads, k_dim = k.shape
+    num_tiles = seq_len // size
+    kq = torch.empty(num_tiles, num_k_heads, 2 * size, k_dim, dtype=torch.float32, device=k.device)
+    for half, x in zip(kq.view(num_tiles, num_k_heads, 2, size, k_dim).unbind(2), (k, q), strict=True):
+        half.copy_(x.view(num_tiles, size, num_k_heads, k_dim).transpose(1, 2))
+    row_scale = inverse_l2_norm(kq) if use_qk_l2norm else kq.new_ones(num_tiles, num_k_heads, 2 * size, 1)
+    row_scale[:, :, size:].mul_(scale)
+    return kq.mul_(row_scale)
 
 
 def _chunk_one_sequence(
@@ -146,8 +182,22 @@ def _chunk_one_sequence(
     pos = torch.arange(size, device=device)
     strictly_causal = (pos.unsqueeze(-1) > pos).to(f32)
     causal = (pos.unsqueeze(-1) >= pos).to(f32)
+    inverse_masks = unit_lower_inverse_masks(size, base_block, f32, device)
     # [K, r V]: one [2C, K] @ [K, r V] matmul reads the states of all r value heads of a key head.
     state_mat = state.view(num_k_heads, k_dim, group * v_dim)
+    # Per-tile buffers, reused by every tile (written with out=: no allocations, and they stay in cache), with
+    # their views made once: [k S; scale q S] [H, 2C, r V]; v - e^c k S, v_new, attn v_new [HV, C, V]; and
+    # e^(c_last - c) v_new [H, C, r V].
+    reads = torch.empty(num_k_heads, 2 * size, group * v_dim, dtype=f32, device=device)
+    k_reads = reads[:, :size].view(num_k_heads, size, group, v_dim).transpose(1, 2)  # [H, r, C, V]
+    q_reads = reads[:, size:].view(num_k_heads, size, group, v_dim)  # [H, C, r, V]
+    v_res, v_new, attn_v = (torch.empty(num_v_heads, size, v_dim, dtype=f32, device=device) for _ in range(3))
+    v_res_grouped = v_res.view(num_k_heads, group, size, v_dim)  # [H, r, C, V]
+    v_new_grouped, attn_v_grouped = (
+        x.view(num_k_heads, group, size, v_dim).transpose(1, 2) for x in (v_new, attn_v)
+    )  # [H, C, r, V]
+    v_decayed = torch.empty(num_k_heads, size, group * v_dim, dtype=f32, device=device)
+    v_decayed_grouped = v_decayed.view(num_k_heads, size, group, v_dim)
     for first in range(0, num_tiles, block_tiles):
         nb = min(block_tiles, num_tiles - first)
         start, stop = first * size, min((first + nb) * size, seq_len)
@@ -158,27 +208,21 @@ def _chunk_one_sequence(
             gb, bb = (F.pad(x, (0, 0, 0, pad)) for x in (gb, bb))
         # [k; scale q] per tile and key head [nb, H, 2C, K]: scale rides on QK^T and on q S. Normalised per
         # block, like everything else: no whole-sequence float32 copies of q and k.
-        qb, kb = prepare_qk(qb, kb, scale, use_qk_l2norm)
-        kq = torch.cat([x.view(nb, size, num_k_heads, k_dim).transpose(1, 2) for x in (kb, qb)], dim=2)
+        kq = _tile_keys_queries(qb, kb, size, scale, use_qk_l2norm)
         keys = kq[:, :, :size]
         # Value-head tensors [nb, H, r, ...]; key-head ones broadcast over r (never repeat_interleave'd).
-        gb, bb = (
-            x.view(nb, size, num_k_heads, group)
-            .permute(0, 2, 3, 1)
-            .to(f32, memory_format=torch.contiguous_format)
-            for x in (gb, bb)
-        )
-        gb = gb * LOG2E
+        bb = bb.view(nb, size, num_k_heads, group).permute(0, 2, 3, 1).to(f32)
+        gb = gb.view(nb, size, num_k_heads, group).permute(0, 2, 3, 1).to(f32) * LOG2E
         cum = gb.cumsum(-1)  # c_i (base 2), <= 0: only exponentiated directly, never differenced
         # c_i - c_j summed directly as sum_{j < t <= i} g_t (a cumsum down the rows of g_t [t > j]): the
         # difference of two fp32 cumsums loses ~|c| * 6e-8 absolutely, ~1e-3 with strong decays (|c| ~ 1e4).
         # The exponent is 0 on and above the diagonal, so nothing can overflow.
         decay = (gb.unsqueeze(-1) * strictly_causal).cumsum(-2).exp2_()  # exp(c_i - c_j) for j <= i
         kqk = torch.matmul(kq, keys.transpose(-1, -2)).unsqueeze(2)  # [KK^T; scale QK^T] once per key head
-        a = (kqk[..., :size, :] * strictly_causal) * decay
-        a.mul_(bb.unsqueeze(-1))  # A = diag(beta) (KK^T o Gamma), strictly lower
+        # A = diag(beta) (KK^T o Gamma); its diagonal and above are never read by the inverse
+        a = torch.mul(kqk[..., :size, :], decay).mul_(bb.unsqueeze(-1))
         attn = (kqk[..., size:, :] * causal) * decay  # causal intra-tile attention, diagonal included
-        t_beta = invert_unit_lower(a, base_block).mul_(bb.unsqueeze(-2))  # T diag(beta)
+        t_beta = invert_unit_lower(a, base_block, inverse_masks).mul_(bb.unsqueeze(-2))  # T diag(beta)
         exp_cum = cum.exp2()
         neg_exp_cum = exp_cum.neg().unsqueeze(-1)  # [nb, H, r, C, 1]: v - e^c k S
         out_coef = exp_cum.transpose(-1, -2).unsqueeze(-1)  # [nb, H, C, r, 1]: e^c scale q S
@@ -186,29 +230,41 @@ def _chunk_one_sequence(
         to_last = decay[..., -1, :].transpose(-1, -2).unsqueeze(-1).contiguous()
         tile_decay = exp_cum[..., -1].view(nb, num_k_heads, 1, group, 1)  # e^(c_last)
         t_beta, attn = (x.reshape(nb, num_v_heads, size, size) for x in (t_beta, attn))
-        # [nb, H, r, C, V], a view of v: the product v - e^c k S keeps v's token-major layout, in which
-        # its [HV, C, V] batch for T_b is still a view (strided rows), so v is never copied.
+        # [nb, H, r, C, V], a view of v (read in place, never copied)
         values = vb.view(nb, size, num_k_heads, group, v_dim).permute(0, 2, 3, 1, 4)
-        # No out= arguments and .reshape() after elementwise ops: torch.export's functionalisation does not
-        # keep an out= buffer's strides, and reshape stays a view wherever the layout allows.
-        for n in range(nb):  # the only sequential part
-            reads = torch.bmm(kq[n], state_mat).view(num_k_heads, 2 * size, group, v_dim)  # [k S; scale q S]
-            v_res = torch.addcmul(values[n], reads[:, :size].transpose(1, 2), neg_exp_cum[n])
-            v_new = torch.bmm(t_beta[n], v_res.reshape(num_v_heads, size, v_dim))
-            attn_v = torch.bmm(attn[n], v_new).view(num_k_heads, group, size, v_dim).transpose(1, 2)
-            lo = start + n * size
-            valid = min(size, seq_len - lo)  # o = e^c scale q S + attn v_new
-            o_tile = torch.addcmul(attn_v[:, :valid], reads[:, size : size + valid], out_coef[n, :, :valid])
-            o[lo : lo + valid] = o_tile.transpose(0, 1).reshape(valid, num_v_heads, v_dim)
+        # o is written in place, through token-major [nb, H, C, r, V] views of this block's rows (a partial
+        # last tile goes through a scratch block).
+        o_block = o[start:stop] if not pad else o.new_empty(nb * size, num_v_heads, v_dim)
+        o_tiles = o_block.view(nb, size, num_k_heads, group, v_dim).transpose(1, 2)
+        per_tile = (kq, values, neg_exp_cum, t_beta, attn, out_coef, o_tiles, to_last, tile_decay, keys.mT)
+        for done, tile_views in enumerate(zip(*(x.unbind() for x in per_tile), strict=True), start=first + 1):
+            (
+                kq_n,
+                values_n,
+                neg_exp_cum_n,
+                t_beta_n,
+                attn_n,
+                out_coef_n,
+                o_n,
+                to_last_n,
+                tile_decay_n,
+                keys_t_n,
+            ) = tile_views
+            torch.bmm(kq_n, state_mat, out=reads)  # [k S; scale q S]
+            torch.addcmul(values_n, k_reads, neg_exp_cum_n, out=v_res_grouped)  # v - e^c k S
+            torch.bmm(t_beta_n, v_res, out=v_new)
+            torch.bmm(attn_n, v_new, out=attn_v)
+            torch.addcmul(attn_v_grouped, q_reads, out_coef_n, out=o_n)  # o = attn v_new + e^c scale q S
             # S <- e^(c_last) S + k^T (e^(c_last - c) v_new), all r value heads in one matmul
-            v_decayed = to_last[n] * v_new.view(num_k_heads, group, size, v_dim).transpose(1, 2)
-            state.mul_(tile_decay[n])
-            state_mat.baddbmm_(keys[n].transpose(-1, -2), v_decayed.reshape(num_k_heads, size, group * v_dim))
-            done = first + n + 1
+            torch.mul(to_last_n, v_new_grouped, out=v_decayed_grouped)
+            state.mul_(tile_decay_n)
+            state_mat.baddbmm_(keys_t_n, v_decayed)
             if chunk_states is not None and (done % tiles_per_chunk == 0 or done == num_tiles):
                 # a copy (clone always copies; reshape may return a view of the live state)
                 snapshot = state.transpose(1, 2).clone(memory_format=torch.contiguous_format)
                 chunk_states.append(snapshot.view(num_v_heads, k_dim, v_dim))
+        if pad:
+            o[start:stop] = o_block[: stop - start]
 
 
 def chunk_gated_delta_rule_torch(

@@ -10,9 +10,14 @@ from __future__ import annotations
 import torch
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x * rsqrt(sum(x^2) + eps) over the last dim (the flash-linear-attention / transformers convention)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def inverse_l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rsqrt(sum(x^2) + eps) over the last dim (keepdim): the factor of the flash-linear-attention /
+    transformers l2norm."""
+    return torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * inverse_l2_norm(x)
 
 
 def prepare_qk(
