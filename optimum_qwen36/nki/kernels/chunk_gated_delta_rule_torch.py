@@ -140,15 +140,16 @@ def _tile_keys_queries(
     q: torch.Tensor, k: torch.Tensor, size: int, scale: float, use_qk_l2norm: bool
 ) -> torch.Tensor:
     """[k; scale q] per tile and key head, float32 [T / size, H, 2 size, K], L2-normalised first if asked
-    (T a multiple of size): one float32 copy of q and k, normalised and scaled in place."""
+    (T a multiple of size): normalised and scaled on the way into the tile layout, one pass each."""
     seq_len, num_k_heads, k_dim = k.shape
     num_tiles = seq_len // size
     kq = torch.empty(num_tiles, num_k_heads, 2 * size, k_dim, dtype=torch.float32, device=k.device)
-    for half, x in zip(kq.view(num_tiles, num_k_heads, 2, size, k_dim).unbind(2), (k, q), strict=True):
-        half.copy_(x.view(num_tiles, size, num_k_heads, k_dim).transpose(1, 2))
-    row_scale = inverse_l2_norm(kq) if use_qk_l2norm else kq.new_ones(num_tiles, num_k_heads, 2 * size, 1)
-    row_scale[:, :, size:].mul_(scale)
-    return kq.mul_(row_scale)
+    halves = kq.view(num_tiles, num_k_heads, 2, size, k_dim).unbind(2)
+    for half, x, x_scale in zip(halves, (k, q), (1.0, scale), strict=True):
+        x = x.float().view(num_tiles, size, num_k_heads, k_dim)  # no copy for float32 inputs
+        factor = inverse_l2_norm(x) * x_scale if use_qk_l2norm else x_scale
+        torch.mul(x, factor, out=half.transpose(1, 2))
+    return kq
 
 
 def _chunk_one_sequence(
