@@ -121,6 +121,18 @@ def test_neumann_power_doubling_breaks_but_blocked_inverse_does_not(regime: str)
         assert not torch.isfinite(_neumann_power_doubling(_seed_ut_system(k, g, beta, True))).all()
 
 
+@pytest.mark.parametrize(("chunk", "base_block"), [(16, 2), (32, 2), (32, 4), (64, 2), (128, 8)])
+def test_inverse_reads_only_the_strict_lower_triangle(chunk: int, base_block: int) -> None:
+    """The twin hands invert_unit_lower the unmasked beta (K K^T o Gamma): its diagonal and upper triangle
+    must not matter."""
+    gen = torch.Generator().manual_seed(chunk + base_block)
+    strict = 0.1 * torch.randn(3, 2, chunk, chunk, generator=gen).tril(-1)
+    exact = torch.linalg.inv(torch.eye(chunk, dtype=torch.float64) + strict.double())
+    upper = torch.randn(3, 2, chunk, chunk, generator=gen).triu()  # the diagonal and above
+    for a in (strict, strict + upper):
+        assert max_rel_error(chunk_twin.invert_unit_lower(a, base_block), exact) <= 1e-6
+
+
 def test_full_chunk_power_series_is_unusable_in_the_twin() -> None:
     """base_block = tile_size turns the twin's solve into the Neumann product: it must be far worse."""
     inputs = _inputs((1, 128, 2, 6, 64, 64), seed=11, **HARD)
