@@ -128,6 +128,19 @@ def _causal_mask(dst: object, values: object, strict: bool) -> None:
     )
 
 
+def _upper_triangle(dst: object, values: object) -> None:
+    """dst[t, j] = values[t, j] if t <= j else 0, for a [64, 64] chunk matrix."""
+    nisa.affine_select(
+        dst,
+        pattern=[[1, CHUNK]],
+        offset=0,
+        channel_multiplier=-1,
+        on_true_tile=values,
+        on_false_value=0.0,
+        cmp_op=nl.greater_equal,
+    )
+
+
 def _block_diagonal_mask(ones: object, size: int) -> object:
     """[64, 64] 0/1 mask of the size x size diagonal blocks, as E E^T with the block indicator E.
 
@@ -164,15 +177,7 @@ def _constants() -> dict:
     nisa.memset(ones, 1.0)
     square_ones = ones[:, nl.ds(0, CHUNK)]
     upper = sbuf_tile((CHUNK, CHUNK))  # upper[t, j] = 1 if t <= j: (upper^T g)_j = c_j
-    nisa.affine_select(
-        upper,
-        pattern=[[1, CHUNK]],
-        offset=0,
-        channel_multiplier=-1,
-        on_true_tile=square_ones,
-        on_false_value=0.0,
-        cmp_op=nl.greater_equal,
-    )
+    _upper_triangle(upper, square_ones)
     strict_lower = sbuf_tile((CHUNK, CHUNK))  # strict_lower[t, j] = 1 if t > j
     _causal_mask(strict_lower, square_ones, strict=True)
     identity = sbuf_tile((CHUNK, CHUNK))
@@ -274,15 +279,7 @@ def _value_head_chunk(
     g_bcast = sbuf_tile((CHUNK, CHUNK))  # g_bcast[t, i] = g_t
     nisa.tensor_scalar(g_bcast, consts["ones"][:, nl.ds(0, CHUNK)], op0=nl.multiply, operand0=g_col)
     g_upto = sbuf_tile((CHUNK, CHUNK))
-    nisa.affine_select(
-        g_upto,
-        pattern=[[1, CHUNK]],
-        offset=0,
-        channel_multiplier=-1,
-        on_true_tile=g_bcast,
-        on_false_value=0.0,
-        cmp_op=nl.greater_equal,
-    )
+    _upper_triangle(g_upto, g_bcast)
     decay = sbuf_tile((CHUNK, CHUNK))
     nisa.activation(dst=decay, op=nl.exp, data=matmul_to_sbuf(g_upto, consts["strict_lower"]))
     exp_c = sbuf_tile((CHUNK, 1))
