@@ -23,6 +23,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -96,6 +97,15 @@ def bench_prefill(lengths: list[int], dtypes: list[torch.dtype]) -> list[dict]:
     return rows
 
 
+def decode_tokens(tokens: list[dict], step: Callable[[dict, torch.Tensor | None], tuple]) -> torch.Tensor:
+    """Outputs of `step(token_inputs, state) -> (o, state)` over the tokens, the state carried."""
+    state, outs = None, []
+    for tok in tokens:
+        o, state = step(tok, state)
+        outs.append(o)
+    return torch.cat(outs, 1)
+
+
 def bench_decode(dtypes: list[torch.dtype], steps: int = 256) -> list[dict]:
     """One token per call with the state carried, as in decode; accuracy over all steps."""
     rows = []
@@ -103,25 +113,18 @@ def bench_decode(dtypes: list[torch.dtype], steps: int = 256) -> list[dict]:
         inputs = make_gdn_inputs(seq_len=steps, dtype=dtype, **HEADS)
         ref_o, _ = reference_gated_delta_rule(**inputs)
         tokens = [{name: t[:, i : i + 1] for name, t in inputs.items()} for i in range(steps)]
-
-        def ours(tokens: list[dict] = tokens) -> torch.Tensor:
-            state, outs = None, []
-            for tok in tokens:
-                o, state = fused_recurrent_gated_delta_rule(
-                    **tok, initial_state=state, output_final_state=True
-                )
-                outs.append(o)
-            return torch.cat(outs, 1)
-
-        def hf(tokens: list[dict] = tokens) -> torch.Tensor:
-            state, outs = None, []
-            for tok in tokens:
-                o, state = torch_recurrent_gated_delta_rule(
-                    *tok.values(), initial_state=state, output_final_state=True
-                )
-                outs.append(o)
-            return torch.cat(outs, 1)
-
+        ours = partial(
+            decode_tokens,
+            tokens,
+            lambda tok, s: fused_recurrent_gated_delta_rule(**tok, initial_state=s, output_final_state=True),
+        )
+        hf = partial(
+            decode_tokens,
+            tokens,
+            lambda tok, s: torch_recurrent_gated_delta_rule(
+                *tok.values(), initial_state=s, output_final_state=True
+            ),
+        )
         ours_t, hf_t = best_times([ours, hf], 3)
         row = {
             "dtype": str(dtype).removeprefix("torch."),
