@@ -18,6 +18,7 @@ from helpers import StubHubRepo, left_padded_prompts
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
 from optimum_qwen36.exporters import artifact, backends
+from optimum_qwen36.exporters.aoti import CompiledGraph
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
 SETTINGS = dict(batch_size=2, sequence_length=128, prefill_chunk_size=16, dtype="float32")
@@ -283,3 +284,51 @@ def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
     assert set(seen) == {1}
     eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
     assert torch.equal(ours, eager.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
+
+
+def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> None:
+    """The block table width is a dynamic dimension of the graphs: each step gets the KV blocks that hold
+    its positions (64-token blocks here), not the whole compiled sequence_length, and generates the tokens
+    of transformers and of full-width tables (what graphs saved without that dimension are given)."""
+    _, reference, _, model, _ = exported
+    assert model.backend.narrows_block_tables
+    graphs = dict(model.backend.graphs)
+    widths: list[tuple[str, int]] = []
+
+    def recording(method: str):
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            widths.append((method, args[4 if method == "prefill_chunk" else 2].shape[-1]))
+            return graphs[method](*args)
+
+        return run
+
+    prompt, _ = left_padded_prompts([60], seed=2)
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    model.backend.graphs = {method: recording(method) for method in graphs}
+    try:
+        narrow = model.generate(prompt, **kwargs)
+        narrow_widths = widths[:]
+        model.backend.narrows_block_tables = False
+        full = model.generate(prompt, **kwargs)
+    finally:
+        model.backend.graphs = graphs
+        model.backend.narrows_block_tables = True
+    # prefill: 4 chunks of 16 within block 0; decode: positions 60..63 in block 0, then 64..68 reach block 1
+    assert narrow_widths == [("prefill_chunk", 1)] * 4 + [("decode_step", 1)] * 4 + [("decode_step", 2)] * 5
+    assert {width for _, width in widths[len(narrow_widths) :]} == {2}  # the compiled sequence_length
+    assert torch.equal(narrow.sequences, full.sequences)
+    for a, b in zip(narrow.logits, full.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    hf = reference.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(narrow.sequences, hf)
+
+
+def test_graphs_saved_without_a_dynamic_table_width_get_full_tables(
+    exported, monkeypatch: pytest.MonkeyPatch, no_compilation
+) -> None:
+    """Graphs whose package metadata does not say the table width is dynamic (artifacts saved before it
+    was) are handed full-width tables."""
+    saved = exported[4]
+    assert NeuronQwen36ForCausalLM.from_pretrained(saved).backend.narrows_block_tables
+    monkeypatch.setattr(CompiledGraph, "metadata", property(lambda graph: {}))
+    assert not NeuronQwen36ForCausalLM.from_pretrained(saved).backend.narrows_block_tables

@@ -24,7 +24,7 @@ from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from .aoti import CompiledGraph, compile_method
-from .base import EagerBackend, StepBackend
+from .base import EagerBackend, StepBackend, blocks_in_use
 from .compile_cache import CompileCache, compile_key
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ COMPILED_DIR = "compiled"
 STEP_METHODS = ("prefill_chunk", "decode_step")
 # Tensors a graph needs that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
+# Package metadata of graphs whose block table width is dynamic. Graphs saved before that change lack it
+# and are still run, with full-width tables.
+ANY_TABLE_WIDTH = {"optimum_qwen36.block_table_width": "dynamic"}
 
 
 # Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device.
@@ -67,16 +70,26 @@ def example_step_args(
 
 
 def step_dynamic_shapes(method: str, args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """Both steps end with (key_cache, value_cache, conv_state, recurrent_state). The number of KV blocks
-    is left dynamic, so the same graphs serve any block pool (e.g. the larger one of prefix caching), and
-    so is decode's batch (input_ids, positions, block_tables), so only the active rows are computed."""
+    """Both steps end with (key_cache, value_cache, conv_state, recurrent_state). Left dynamic:
+    - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
+    - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
+      compiled sequence_length;
+    - decode's batch (input_ids, positions, block_tables), so only the active rows are computed.
+    An example size of 1 would be specialised: such a dimension stays static."""
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     kv = ({1: blocks}, {1: blocks}, None, None)
-    slots = args[-1].shape[1]
-    if method == "decode_step" and slots > 1:  # an example batch of 1 would be specialised
-        batch = torch.export.Dim("batch", min=1, max=slots)
-        return ({0: batch}, {0: batch}, {0: batch}, *kv)
-    return (None,) * (len(args) - 4) + kv
+    max_blocks, slots = args[-5].shape[-1], args[-1].shape[1]  # block table(s) come before the caches
+    width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
+    batch = torch.export.Dim("batch", min=1, max=slots) if slots > 1 else None
+    if method == "prefill_chunk":  # input_ids, start_pos, num_valid, slot, block_table [max_blocks]
+        return (None, None, None, None, _dynamic({0: width}), *kv)
+    # decode: input_ids [B, 1], positions [B], block_tables [B, max_blocks]
+    return (_dynamic({0: batch}), _dynamic({0: batch}), _dynamic({0: batch, 1: width}), *kv)
+
+
+def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
+    """A dynamic_shapes entry without its static (None) dimensions; None when all are static."""
+    return {axis: dim for axis, dim in dims.items() if dim is not None} or None
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -98,8 +111,13 @@ class AOTIBackend:
         extra = files_dir / EXTRA_CONSTANTS
         constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
         self.graphs = {m: CompiledGraph(files_dir / f"{m}.pt2", constants, device) for m in STEP_METHODS}
+        self.narrows_block_tables = all(
+            ANY_TABLE_WIDTH.items() <= graph.metadata.items() for graph in self.graphs.values()
+        )
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.narrows_block_tables:
+            args = blocks_in_use(method, args)
         if self.device != "cpu":
             args = tuple(a.to(self.device, non_blocking=True) for a in args)
         return self.graphs[method](*args).cpu()
@@ -170,8 +188,14 @@ def _compile_steps(
         start = time.perf_counter()
         args = examples[method]
         path = out_dir / f"{method}.pt2"
-        dynamic = step_dynamic_shapes(method, args)
-        constants = compile_method(model, method, args, path, dynamic_shapes=dynamic)
+        constants = compile_method(
+            model,
+            method,
+            args,
+            path,
+            dynamic_shapes=step_dynamic_shapes(method, args),
+            inductor_configs={"aot_inductor.metadata": ANY_TABLE_WIDTH},
+        )
         extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
         logger.info("Compiled %s in %.1f s", method, time.perf_counter() - start)
     if extra:

@@ -1,4 +1,4 @@
-"""What a backend is: the two static-shape steps of the model, however they were compiled."""
+"""What a backend is: the two steps of the model, however they were compiled."""
 
 from __future__ import annotations
 
@@ -21,6 +21,20 @@ class StepBackend(Protocol):
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
 
 
+def blocks_in_use(method: str, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`args` of a step with its block table(s) cut to the blocks holding this step's positions, for backends
+    whose steps take any table width: attention then gathers and reads the context so far, not all of the
+    compiled sequence_length (the masked-out blocks would add nothing to the result)."""
+    block_size = args[-4].shape[2]  # key_cache [attention layers, blocks, block_size, heads, head_dim]
+    if method == "prefill_chunk":
+        input_ids, start_pos, num_valid, slot, block_table, *caches = args
+        used = -(-(int(start_pos) + int(num_valid)) // block_size)
+        return (input_ids, start_pos, num_valid, slot, block_table[:used], *caches)
+    input_ids, positions, block_tables, *caches = args
+    used = int(positions.max()) // block_size + 1
+    return (input_ids, positions, block_tables[:, :used].contiguous(), *caches)
+
+
 class EagerBackend:
     """The reference backend: the model's own PyTorch code, uncompiled."""
 
@@ -32,8 +46,8 @@ class EagerBackend:
 
     @torch.no_grad()
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model.prefill_chunk(*args)
+        return self.model.prefill_chunk(*blocks_in_use("prefill_chunk", args))
 
     @torch.no_grad()
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model.decode_step(*args)
+        return self.model.decode_step(*blocks_in_use("decode_step", args))
