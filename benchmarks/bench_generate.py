@@ -1,14 +1,16 @@
-"""Generation speed of the compiled `cpu` backend against transformers eager, same weights and dtype.
+"""Generation speed of a compiled backend (`cpu`, or `cuda` on a GPU) against transformers eager on the same
+device, same weights and dtype.
 
 Measures, in one run: prefill tok/s at each prompt length (one row), decode tok/s at batch 1 and at the
-compiled batch, for our `cpu` backend (AOTInductor) and transformers' Qwen3_5ForCausalLM; the machine's
-read bandwidth and the decode roofline (bytes of weights read per token / bandwidth). Default model: a
+compiled batch, for our backend (AOTInductor) and transformers' Qwen3_5ForCausalLM; the device's read
+bandwidth and the decode roofline (bytes of weights read per token / bandwidth). Default model: a
 random ~0.8B model of the Qwen3.6 shape family (hidden 1024, 24 layers 3:1, 8/2 attention heads of 256,
 16/16 GDN heads of 128, vocab 248320, tied embeddings).
 
     python benchmarks/bench_generate.py                      # the ~0.8B model (compiling takes a while)
     python benchmarks/bench_generate.py --layers 4           # same widths, 4 layers: a quick run
     python benchmarks/bench_generate.py --model PATH_OR_ID   # a real checkpoint
+    python benchmarks/bench_generate.py --backend cuda       # on a GPU (.ci/device_check runs it)
 
 Writes benchmarks/results/bench_generate.json and .png. Compiled graphs are kept in the compile cache, so
 a second run with the same settings does not compile again.
@@ -60,18 +62,21 @@ def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Minimum wall time over repeats (the machine may be shared: the minimum is the least disturbed)."""
+    """Minimum wall time over repeats (the machine may be shared: the minimum is the least disturbed). GPU
+    work is waited for, so that each time covers what fn launched."""
     fn()
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:
-    data = torch.ones(int(gigabytes * 2**30 / 4), dtype=torch.float32)
+def read_bandwidth_gbs(device: str, gigabytes: float = 1.0) -> float:
+    data = torch.ones(int(gigabytes * 2**30 / 4), dtype=torch.float32, device=device)
     seconds = best_time(lambda: data.sum(), repeats=5)
     return data.numel() * 4 / seconds / 1e9
 
@@ -85,9 +90,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
-def prompts(length: int, rows: int, vocab: int) -> torch.Tensor:
+def prompts(length: int, rows: int, vocab: int, device: str = "cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(length)
-    return torch.randint(1, min(vocab, 200_000), (rows, length), generator=generator)
+    return torch.randint(1, min(vocab, 200_000), (rows, length), generator=generator).to(device)
 
 
 def bench_ours(model: NeuronQwen36ForCausalLM, lengths: list[int], batch: int, steps: int) -> dict:
@@ -110,17 +115,17 @@ def bench_ours(model: NeuronQwen36ForCausalLM, lengths: list[int], batch: int, s
 
 @torch.no_grad()
 def bench_transformers(model: torch.nn.Module, lengths: list[int], batch: int, steps: int) -> dict:
-    vocab = model.config.vocab_size
+    vocab, device = model.config.vocab_size, str(model.device)
     results: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
     for length in lengths:
-        ids = prompts(length, 1, vocab)
+        ids = prompts(length, 1, vocab, device)
         results["prefill_tok_s"][length] = length / best_time(lambda ids=ids: model(ids), repeats=2)
 
     def generate(ids: torch.Tensor, new: int) -> None:
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
     for rows in sorted({1, batch}):
-        ids = prompts(16, rows, vocab)
+        ids = prompts(16, rows, vocab, device)
         first = best_time(lambda ids=ids: generate(ids, 1), repeats=2)
         full = best_time(lambda ids=ids: generate(ids, steps + 1), repeats=2)
         results["decode_tok_s"][rows] = rows * steps / (full - first)
@@ -134,7 +139,7 @@ def chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    systems = [s for s in ("optimum-qwen36 cpu", "transformers eager") if s in report["results"]]
+    systems = list(report["results"])
     for axis, metric, title in ((left, "prefill_tok_s", "prefill"), (right, "decode_tok_s", "decode")):
         keys = list(report["results"][systems[0]][metric])
         width = 0.8 / len(systems)
@@ -145,7 +150,8 @@ def chart(report: dict, path: Path) -> None:
         label = "prompt tokens" if metric == "prefill_tok_s" else "batch"
         axis.set_xticklabels([f"{label} {k}" for k in keys])
         axis.set_ylabel("tokens / s")
-        axis.set_title(f"{title} ({report['dtype']}, {report['threads']} threads)")
+        where = report["device"] if report["backend"] == "cuda" else f"{report['threads']} threads"
+        axis.set_title(f"{title} ({report['dtype']}, {where})")
     right.axhline(report["decode_roofline_tok_s"], color="k", linestyle="--", label="batch-1 roofline")
     right.legend()
     fig.tight_layout()
@@ -158,6 +164,7 @@ def main() -> None:
     )
     parser.add_argument("--model", help="checkpoint directory or Hub id (default: a random ~0.8B model)")
     parser.add_argument("--layers", type=int, default=24, help="layers of the random model (default 24)")
+    parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batch-size", type=int, default=8, help="compiled batch (decode is also run at 1)")
@@ -174,20 +181,23 @@ def main() -> None:
         ours = NeuronQwen36ForCausalLM.from_pretrained(
             checkpoint,
             export=True,
-            backend="cpu",
+            backend=args.backend,
             dtype=args.dtype,
             batch_size=args.batch_size,
             sequence_length=max(args.prompt_lengths) + args.decode_steps + 16,
             prefill_chunk_size=args.prefill_chunk_size,
         )
         export_seconds = time.perf_counter() - start
-        bandwidth = read_bandwidth_gbs()
-        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+        device = ours.backend.device
+        bandwidth = read_bandwidth_gbs(device)
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
         per_token = weight_bytes_per_token(reference)
         report = {
             "model": args.model or f"random Qwen3.6-shaped, {args.layers} layers",
             "parameters": sum(p.numel() for p in reference.parameters()),
             "dtype": args.dtype,
+            "backend": args.backend,
+            "device": torch.cuda.get_device_name(device) if args.backend == "cuda" else "cpu",
             "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
@@ -196,7 +206,7 @@ def main() -> None:
             "weight_bytes_per_token": per_token,
             "decode_roofline_tok_s": bandwidth * 1e9 / per_token,
             "results": {
-                "optimum-qwen36 cpu": bench_ours(
+                f"optimum-qwen36 {args.backend}": bench_ours(
                     ours, args.prompt_lengths, args.batch_size, args.decode_steps
                 )
             },

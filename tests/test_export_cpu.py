@@ -1,9 +1,12 @@
-"""The `cpu` backend end to end: one AOTInductor export of a tiny model (about 2 minutes on 2 cores), shared
-by every test here; the other tests reuse it through the compile cache or the saved artifact."""
+"""The AOTInductor backends end to end: one export of a tiny model (about 2 minutes on 2 cores), shared by
+every test here; the other tests reuse it through the compile cache or the saved artifact.
+
+The backend is `cpu`; `OPTIMUM_QWEN36_TEST_BACKEND=cuda` runs the same tests on a GPU (`.ci/device_check`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,11 @@ from optimum_qwen36.exporters import artifact, backends
 from optimum_qwen36.exporters.aoti import CompiledGraph
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
+BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
+if BACKEND not in ("cpu", "cuda"):
+    raise ValueError(f"OPTIMUM_QWEN36_TEST_BACKEND must be 'cpu' or 'cuda', got {BACKEND!r}")
+if BACKEND == "cuda" and not torch.cuda.is_available():
+    pytest.skip("OPTIMUM_QWEN36_TEST_BACKEND=cuda needs a CUDA GPU", allow_module_level=True)
 SETTINGS = dict(batch_size=2, sequence_length=128, prefill_chunk_size=16, dtype="float32")
 PROMPT_LENGTHS = [5, 21]  # shorter than one prefill chunk, and two chunks
 NEW_TOKENS = 24
@@ -28,12 +36,12 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory):
-    """(checkpoint dir, transformers model, compile cache dir, exported cpu model, saved artifact dir)."""
-    root = tmp_path_factory.mktemp("cpu_export")
+    """(checkpoint dir, transformers model, compile cache dir, exported model, saved artifact dir)."""
+    root = tmp_path_factory.mktemp("export")
     checkpoint, reference = save_tiny_checkpoint(root / "checkpoint", "causal", seed=7)
     cache_dir = root / "compile_cache"
     model = NeuronQwen36ForCausalLM.from_pretrained(
-        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, **SETTINGS
+        checkpoint, export=True, backend=BACKEND, compile_cache_dir=cache_dir, **SETTINGS
     )
     saved = root / "saved"
     model.save_pretrained(saved)
@@ -55,9 +63,9 @@ def _greedy(model, **kwargs) -> torch.Tensor:
     )
 
 
-def test_cpu_backend_equals_eager_and_transformers(exported) -> None:
+def test_compiled_backend_equals_eager_and_transformers(exported) -> None:
     checkpoint, reference, _, model, _ = exported
-    assert model.backend.name == "cpu"
+    assert model.backend.name == BACKEND
     ours = _greedy(model, return_dict_in_generate=True, output_logits=True)
     eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
     theirs = _greedy(eager, return_dict_in_generate=True, output_logits=True)
@@ -104,7 +112,7 @@ def test_second_export_reuses_the_compile_cache(exported, no_compilation) -> Non
     checkpoint, _, cache_dir, model, _ = exported
     start = time.perf_counter()
     again = NeuronQwen36ForCausalLM.from_pretrained(
-        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, **SETTINGS
+        checkpoint, export=True, backend=BACKEND, compile_cache_dir=cache_dir, **SETTINGS
     )
     assert time.perf_counter() - start < 30
     assert torch.equal(_greedy(again), _greedy(model))
@@ -152,7 +160,7 @@ class StubHub:
             p.relative_to(kwargs["folder_path"]).as_posix() for p in Path(kwargs["folder_path"]).rglob("*")
         )
         self.calls.append(("upload_folder", {**kwargs, "files": [f for f in files if "." in f]}))
-        return "https://huggingface.co/me/tiny-cpu/commit/0"
+        return "https://huggingface.co/me/tiny-qwen36/commit/0"
 
 
 def test_push_to_hub_then_load_the_snapshot(
@@ -160,11 +168,11 @@ def test_push_to_hub_then_load_the_snapshot(
 ) -> None:
     _, _, _, model, saved = exported
     hub = StubHub()
-    model.push_to_hub(saved, "me/tiny-cpu", private=True, revision="v1", token="t", api=hub)
+    model.push_to_hub(saved, "me/tiny-qwen36", private=True, revision="v1", token="t", api=hub)
     assert [name for name, _ in hub.calls] == ["create_repo", "create_branch", "upload_folder"]
     assert hub.calls[0][1]["private"] is True
     upload = hub.calls[2][1]
-    assert upload["repo_id"] == "me/tiny-cpu" and upload["revision"] == "v1"
+    assert upload["repo_id"] == "me/tiny-qwen36" and upload["revision"] == "v1"
     assert {"compiled/decode_step.pt2", "compiled/prefill_chunk.pt2", artifact.MANIFEST_NAME} <= set(
         upload["files"]
     )
@@ -180,9 +188,11 @@ def test_push_to_hub_then_load_the_snapshot(
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     with pytest.raises(artifact.UntrustedCodeError, match="trust_compiled_code=True"):
-        NeuronQwen36ForCausalLM.from_pretrained("me/tiny-cpu", revision="v1")
-    loaded = NeuronQwen36ForCausalLM.from_pretrained("me/tiny-cpu", revision="v1", trust_compiled_code=True)
-    assert requested[-1] == ("me/tiny-cpu", "v1")
+        NeuronQwen36ForCausalLM.from_pretrained("me/tiny-qwen36", revision="v1")
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(
+        "me/tiny-qwen36", revision="v1", trust_compiled_code=True
+    )
+    assert requested[-1] == ("me/tiny-qwen36", "v1")
     assert torch.equal(_greedy(loaded), _greedy(model))
 
 
@@ -192,7 +202,7 @@ def test_cli_export_generate_and_cache(
     checkpoint, _, cache_dir, _, _ = exported
     flags = [
         "--backend",
-        "cpu",
+        BACKEND,
         "--batch-size",
         "2",
         "--sequence-length",
@@ -203,7 +213,7 @@ def test_cli_export_generate_and_cache(
     flags += ["--dtype", "float32", "--compile-cache-dir", str(cache_dir)]
     output = tmp_path / "cli-export"
     assert cli_main(["export", str(checkpoint), str(output), *flags]) == 0
-    artifact.verify_artifact(output, "cpu", 1)
+    artifact.verify_artifact(output, BACKEND, 1)
     # Digits are single low-id tokens, inside the tiny model's 512-token vocabulary.
     assert cli_main(["generate", str(output), "--prompt", "1234", "--max-new-tokens", "3"]) == 0
     assert "tok/s" in capsys.readouterr().err
@@ -232,10 +242,11 @@ def test_export_takes_the_graphs_from_a_hub_cache_repo(
     local = tmp_path / "local-cache"
     with pytest.raises(artifact.UntrustedCodeError, match="trust_compiled_code=True"):
         NeuronQwen36ForCausalLM.from_pretrained(
-            checkpoint, export=True, backend="cpu", compile_cache_dir=local, **SETTINGS
+            checkpoint, export=True, backend=BACKEND, compile_cache_dir=local, **SETTINGS
         )
+    trusted = dict(compile_cache_dir=local, trust_compiled_code=True)
     again = NeuronQwen36ForCausalLM.from_pretrained(
-        checkpoint, export=True, backend="cpu", compile_cache_dir=local, trust_compiled_code=True, **SETTINGS
+        checkpoint, export=True, backend=BACKEND, **trusted, **SETTINGS
     )
     assert dict(hub.calls)["snapshot_download"]["repo_id"] == "me/compile-cache"
     assert CompileCache(local).lookup(entry["key"]) is not None  # now in the local cache too
@@ -244,12 +255,12 @@ def test_export_takes_the_graphs_from_a_hub_cache_repo(
 
 def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilation) -> None:
     """The KV block pool is a dynamic dimension of the graphs: prefix caching (a larger pool) reuses the
-    compilation, and warm runs on the cpu backend give the cold tokens and logits."""
+    compilation, and warm runs on the compiled backend give the cold tokens and logits."""
     checkpoint, _, cache_dir, model, _ = exported
     cached = NeuronQwen36ForCausalLM.from_pretrained(
-        checkpoint, export=True, backend="cpu", compile_cache_dir=cache_dir, prefix_caching=True, **SETTINGS
+        checkpoint, export=True, backend=BACKEND, compile_cache_dir=cache_dir, prefix_caching=True, **SETTINGS
     )
-    assert cached.backend.name == "cpu"
+    assert cached.backend.name == BACKEND
     assert cached.new_cache().key_cache.shape[1] > model.new_cache().key_cache.shape[1]
     input_ids, mask = left_padded_prompts([100, 9], seed=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
