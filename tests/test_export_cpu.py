@@ -86,6 +86,7 @@ def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> 
     }
     assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= {
         "prefill_chunk.pt2",
+        "decode_row.pt2",
         "decode_step.pt2",
     }
     script = f"""
@@ -277,24 +278,33 @@ def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilatio
 
 
 def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
-    """The decode graph's batch is dynamic: one row runs as one row (not the exported 2), same tokens."""
+    """One row runs the one-row graph (decode_row), two rows the batched one (decode_step, whose batch is
+    dynamic), each with the caller's rows only; same tokens as eager."""
     checkpoint, _, _, model, _ = exported
-    seen: list[int] = []
-    graph = model.backend.graphs["decode_step"]
+    graphs = dict(model.backend.graphs)
+    assert set(graphs) == {"prefill_chunk", "decode_row", "decode_step"}
+    seen: list[tuple[str, int]] = []
 
-    def recording(*args: torch.Tensor) -> torch.Tensor:
-        seen.append(args[0].shape[0])
-        return graph(*args)
+    def recording(graph: str):
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            seen.append((graph, args[0].shape[0]))
+            return graphs[graph](*args)
 
-    model.backend.graphs["decode_step"] = recording
-    try:
-        prompt, _ = left_padded_prompts([21], seed=1)
-        ours = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
-    finally:
-        model.backend.graphs["decode_step"] = graph
-    assert set(seen) == {1}
+        return run
+
     eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
-    assert torch.equal(ours, eager.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False))
+    model.backend.graphs = {graph: recording(graph) for graph in graphs}
+    try:
+        for lengths in ([21], [21, 5]):
+            prompt, mask = left_padded_prompts(lengths, seed=1)
+            kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+            seen.clear()
+            ours = model.generate(prompt, **kwargs)
+            decoded = {step for step in seen if step[0] != "prefill_chunk"}
+            assert decoded == ({("decode_row", 1)} if len(lengths) == 1 else {("decode_step", 2)})
+            assert torch.equal(ours, eager.generate(prompt, **kwargs))
+    finally:
+        model.backend.graphs = graphs
 
 
 def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> None:
@@ -325,7 +335,7 @@ def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> Non
         model.backend.graphs = graphs
         model.backend.narrows_block_tables = True
     # prefill: 4 chunks of 16 within block 0; decode: positions 60..63 in block 0, then 64..68 reach block 1
-    assert narrow_widths == [("prefill_chunk", 1)] * 4 + [("decode_step", 1)] * 4 + [("decode_step", 2)] * 5
+    assert narrow_widths == [("prefill_chunk", 1)] * 4 + [("decode_row", 1)] * 4 + [("decode_row", 2)] * 5
     assert {width for _, width in widths[len(narrow_widths) :]} == {2}  # the compiled sequence_length
     assert torch.equal(narrow.sequences, full.sequences)
     for a, b in zip(narrow.logits, full.logits, strict=True):

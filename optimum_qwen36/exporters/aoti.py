@@ -13,6 +13,7 @@ it back" on every call. `compile_method` checks this and refuses such graphs (se
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +85,16 @@ def compile_method(
     inductor_configs: Mapping[str, Any] | None = None,
     allow_copying_mutations: bool = False,
     dynamic_shapes: Sequence[Any] | None = None,
+    tracing_mode: TorchFunctionMode | None = None,
 ) -> dict[str, torch.Tensor]:
     """Export `model.<method>(*example_args)` and compile it to `package_path` (.pt2). Shapes are static
-    except where `dynamic_shapes` (one entry per argument, as for `torch.export`) says otherwise.
+    except where `dynamic_shapes` (one entry per argument, as for `torch.export`) says otherwise; the method
+    is traced within `tracing_mode` if one is given (e.g. `matvec.MatrixVectorLinears`).
 
     Returns the tensors the package expects to be bound at load (weights, buffers, lifted constants), by
     the model's own names. Raises CopyingMutationError if an input mutation would copy the whole input."""
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), tracing_mode or contextlib.nullcontext():
         program = torch.export.export(
             _MethodAsForward(model, method),
             tuple(example_args),

@@ -1,6 +1,7 @@
 """Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
 
-- `cpu` / `cuda`: AOTInductor packages (`compiled/prefill_chunk.pt2`, `compiled/decode_step.pt2`) whose
+- `cpu` / `cuda`: AOTInductor packages (`compiled/prefill_chunk.pt2`, `compiled/decode_row.pt2` for one-row
+  decode steps and, when the exported batch is larger, `compiled/decode_step.pt2` for 2..batch rows) whose
   weights are the model's own tensors (memory-mapped from safetensors), bound at load.
 - `neuron`: see `exporters/neuron.py`.
 """
@@ -26,11 +27,16 @@ from ..neuron_config import Qwen36NeuronConfig
 from .aoti import CompiledGraph, compile_method
 from .base import EagerBackend, StepBackend, blocks_in_use
 from .compile_cache import CompileCache, compile_key
+from .matvec import MatrixVectorLinears
 
 logger = logging.getLogger(__name__)
 
 COMPILED_DIR = "compiled"
-STEP_METHODS = ("prefill_chunk", "decode_step")
+# The graphs of the cpu/cuda backend and the model method each one runs. A one-row decode step has its own
+# graph: on cpu its linear layers are traced as matrix-vector products (matvec.py), which stream the weights
+# faster than the matrix-matrix kernels the other steps keep. Artifacts saved before it existed have no
+# decode_row: their decode_step graph (1..batch rows) runs every decode step.
+GRAPH_METHODS = {"prefill_chunk": "prefill_chunk", "decode_row": "decode_step", "decode_step": "decode_step"}
 # Tensors a graph needs that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
 # Package metadata of graphs whose block table width is dynamic. Graphs saved before that change lack it
@@ -45,7 +51,7 @@ CacheFactory = Callable[[str], Qwen36HybridCache]
 def example_step_args(
     neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Arguments of the shapes `generate()` passes, for tracing each step."""
+    """Arguments of the shapes `generate()` passes, for tracing each graph (decode_step: the full batch)."""
     chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
     device = cache.key_cache.device
 
@@ -66,22 +72,30 @@ def example_step_args(
         cache.block_tables.clone(),
         *cache.step_tensors(),
     )
-    return {"prefill_chunk": prefill, "decode_step": decode}
+    row = (decode[0][:1], decode[1][:1], decode[2][:1], *decode[3:])
+    return {"prefill_chunk": prefill, "decode_row": row, "decode_step": decode}
 
 
-def step_dynamic_shapes(method: str, args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """Both steps end with (key_cache, value_cache, conv_state, recurrent_state). Left dynamic:
+def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
+    """decode_step only when the exported batch has more than one row."""
+    one_row = ["prefill_chunk", "decode_row"]
+    return [*one_row, "decode_step"] if neuron_config.batch_size > 1 else one_row
+
+
+def step_dynamic_shapes(graph: str, args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """Every graph's arguments end with (key_cache, value_cache, conv_state, recurrent_state). Left dynamic:
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
       compiled sequence_length;
-    - decode's batch (input_ids, positions, block_tables), so only the active rows are computed.
+    - decode_step's batch (input_ids, positions, block_tables), 2..batch rows, so only the active rows are
+      computed (one row runs decode_row).
     An example size of 1 would be specialised: such a dimension stays static."""
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     kv = ({1: blocks}, {1: blocks}, None, None)
     max_blocks, slots = args[-5].shape[-1], args[-1].shape[1]  # block table(s) come before the caches
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    batch = torch.export.Dim("batch", min=1, max=slots) if slots > 1 else None
-    if method == "prefill_chunk":  # input_ids, start_pos, num_valid, slot, block_table [max_blocks]
+    batch = torch.export.Dim("batch", min=2, max=slots) if graph == "decode_step" and slots > 2 else None
+    if graph == "prefill_chunk":  # input_ids, start_pos, num_valid, slot, block_table [max_blocks]
         return (None, None, None, None, _dynamic({0: width}), *kv)
     # decode: input_ids [B, 1], positions [B], block_tables [B, max_blocks]
     return (_dynamic({0: batch}), _dynamic({0: batch}), _dynamic({0: batch, 1: width}), *kv)
@@ -110,7 +124,11 @@ class AOTIBackend:
         self.files_dir = files_dir
         extra = files_dir / EXTRA_CONSTANTS
         constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
-        self.graphs = {m: CompiledGraph(files_dir / f"{m}.pt2", constants, device) for m in STEP_METHODS}
+        self.graphs = {
+            graph: CompiledGraph(files_dir / f"{graph}.pt2", constants, device)
+            for graph in GRAPH_METHODS
+            if (files_dir / f"{graph}.pt2").is_file()
+        }
         self.narrows_block_tables = all(
             ANY_TABLE_WIDTH.items() <= graph.metadata.items() for graph in self.graphs.values()
         )
@@ -126,7 +144,8 @@ class AOTIBackend:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run("decode_step", args)
+        one_row = args[0].shape[0] == 1 and "decode_row" in self.graphs
+        return self._run("decode_row" if one_row else "decode_step", args)
 
     def save(self, directory: Path) -> None:
         target = directory / COMPILED_DIR
@@ -146,21 +165,23 @@ class AOTIBackend:
         cache: CompileCache | None,
         device: str,
     ) -> AOTIBackend:
-        """Compile both steps (or take them from the compile cache) and bind the model's weights."""
+        """Compile the step graphs (or take them from the compile cache) and bind the model's weights."""
         backend = torch.device(device).type
         key = compile_key(model.config.to_dict(), neuron_config.to_dict(), backend)
         entry = cache.lookup(key) if cache is not None else None
         if entry is None:
             logger.info(
                 "Compiling %s for %s (compile cache key %s): %s",
-                ", ".join(STEP_METHODS),
+                ", ".join(graphs_to_compile(neuron_config)),
                 device,
                 key[:16],
                 ", ".join(f"{k}={v}" for k, v in _describe(model, neuron_config).items()),
             )
             staging = Path(tempfile.mkdtemp(prefix="optimum-qwen36-compile-"))
             try:
-                _compile_steps(model, example_step_args(neuron_config, make_cache(device)), staging)
+                examples = example_step_args(neuron_config, make_cache(device))
+                graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
+                _compile_graphs(model, graphs, staging, matrix_vector_rows=backend == "cpu")
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
                     shutil.rmtree(staging)
@@ -178,29 +199,33 @@ class AOTIBackend:
         return instance
 
 
-def _compile_steps(
-    model: Qwen36ForCausalLM, examples: dict[str, tuple[torch.Tensor, ...]], out_dir: Path
+def _compile_graphs(
+    model: Qwen36ForCausalLM,
+    graphs: dict[str, tuple[torch.Tensor, ...]],
+    out_dir: Path,
+    matrix_vector_rows: bool,
 ) -> None:
+    """Compile each graph (name -> example arguments) to out_dir/<name>.pt2; with matrix_vector_rows,
+    decode_row's linear layers are traced as matrix-vector products."""
     own = model_tensors(model)
     extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
-    for method in tqdm(STEP_METHODS, desc="Compiling graphs", unit="graph", disable=None):
+    for graph, args in tqdm(graphs.items(), desc="Compiling graphs", unit="graph", disable=None):
         start = time.perf_counter()
-        args = examples[method]
-        path = out_dir / f"{method}.pt2"
         constants = compile_method(
             model,
-            method,
+            GRAPH_METHODS[graph],
             args,
-            path,
-            dynamic_shapes=step_dynamic_shapes(method, args),
+            out_dir / f"{graph}.pt2",
+            dynamic_shapes=step_dynamic_shapes(graph, args),
             inductor_configs={"aot_inductor.metadata": ANY_TABLE_WIDTH},
+            tracing_mode=MatrixVectorLinears() if matrix_vector_rows and graph == "decode_row" else None,
         )
         extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
-        logger.info("Compiled %s in %.1f s", method, time.perf_counter() - start)
+        logger.info("Compiled %s in %.1f s", graph, time.perf_counter() - start)
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
-    logger.info("Compiled %s in %.1f s", " and ".join(STEP_METHODS), time.perf_counter() - total)
+    logger.info("Compiled %s in %.1f s", ", ".join(graphs), time.perf_counter() - total)
 
 
 def _describe(model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> dict[str, Any]:

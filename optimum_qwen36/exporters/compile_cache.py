@@ -70,6 +70,7 @@ def graph_source_digest() -> str:
         *sorted(kernel_dir.glob("*_torch.py")),
         Path(__file__).parent / "aoti.py",
         Path(__file__).parent / "backends.py",
+        Path(__file__).parent / "matvec.py",
     ]
     digest = hashlib.sha256()
     for path in sources:

@@ -1,0 +1,89 @@
+"""Weight-streaming rate of one-row linear layers: ATen's `F.linear` against `matrix_vector_linear` (what the
+cpu backend's one-row decode graph runs, optimum_qwen36/exporters/matvec.py), both compiled by Inductor.
+
+Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
+128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 662 MB in bf16, far more than the
+caches, so the weights come from memory as in a decode step), and the 248320 x 1024 output projection alone
+(508 MB). GB/s = weight bytes read / best time of 5, each way compiled by Inductor as one graph over all
+the weights (as in the exported step graphs). One row (batch-1 decode), and 8 rows, which F.linear reads
+once for all rows and the one-row form once per row.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py        # bf16, the machine's threads
+
+Writes benchmarks/results/bench_matvec.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from optimum_qwen36.exporters.matvec import matrix_vector_linear
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
+GDN = [(6144, 1024), (2048, 1024), (16, 1024), (16, 1024), (1024, 2048)]  # in_proj_qkv, z, b, a; out_proj
+ATTENTION = [(4096, 1024), (512, 1024), (512, 1024), (1024, 2048)]  # q (with its gate), k, v, o
+LAYER_SHAPES = (GDN + MLP) * 3 + ATTENTION + MLP  # 4 layers
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """matrix_vector_linear for each row of x [rows, 1, in] (a one-row graph run once per row)."""
+    return torch.cat([matrix_vector_linear(row, weight, None) for row in x.split(1)])
+
+
+def streaming_rates(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
+    """GB/s of weights read by all of `weights` applied to `rows` rows, each way compiled as one graph (as in
+    the exported step graphs, whose linears are ATen matrix products or, in decode_row, one-row sums)."""
+    inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
+    total = sum(w.numel() * w.element_size() for w in weights)
+    rates = {}
+    for name, linear in (("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)):
+
+        def apply_all(xs: list[torch.Tensor], ws: list[torch.Tensor], linear=linear) -> list[torch.Tensor]:
+            return [linear(x, w) for x, w in zip(xs, ws, strict=True)]
+
+        graph = torch.compile(apply_all)
+        rates[name] = total / best_time(lambda graph=graph: graph(inputs, weights)) / 1e9
+    return rates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--output", type=Path, default=RESULTS / "bench_matvec.json")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    layers = [torch.randn(*shape).to(dtype) for shape in LAYER_SHAPES * 4]
+    output_projection = [torch.randn(248320, 1024).to(dtype)]
+    report: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "gb_per_s": {}}
+    for label, weights in (("16 layers' projections", layers), ("output projection", output_projection)):
+        for rows in (1, 8):
+            rates = streaming_rates(weights, rows)
+            report["gb_per_s"][f"{label}, {rows} row(s)"] = rates
+            print(f"{label:24s} rows={rows}: " + "  ".join(f"{k} {v:5.1f} GB/s" for k, v in rates.items()))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
