@@ -9,7 +9,7 @@ from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import example_step_args
+from optimum_qwen36.exporters.backends import AOTIBackend, example_step_args
 from optimum_qwen36.exporters.matvec import MatrixVectorLinears, matrix_vector_linear
 
 
@@ -56,3 +56,19 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
             rows = torch.export.export(step, args, strict=False)
     assert _linear_calls(plain) > 4 * model.config.num_hidden_layers
     assert _linear_calls(rows) == 0
+
+
+@pytest.mark.parametrize("graphs", [("decode_row", "decode_step"), ("decode_step",)])
+def test_one_row_runs_decode_row_when_the_artifact_has_it(graphs: tuple[str, ...]) -> None:
+    """Artifacts saved before decode_row existed have only decode_step (1..batch rows): it runs every step."""
+    backend = AOTIBackend.__new__(AOTIBackend)
+    backend.device, backend.narrows_block_tables = "cpu", False
+    ran: list[tuple[str, int]] = []
+    backend.graphs = {
+        graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)
+        for graph in ("prefill_chunk", *graphs)
+    }
+    for rows in (1, 2):
+        backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+    one_row = "decode_row" if "decode_row" in graphs else "decode_step"
+    assert ran == [(one_row, 1), ("decode_step", 2)]

@@ -93,8 +93,9 @@ class NeuronBackend:
             # torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache.
             from .backends import example_step_args
 
-            for method, args in example_step_args(neuron_config, make_cache(device)).items():
-                self._run(method, args)
+            examples = example_step_args(neuron_config, make_cache(device))
+            for method in self._steps:  # decode_step at the full batch: the static batch it always runs
+                self._run(method, examples[method])
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with torch.no_grad():
