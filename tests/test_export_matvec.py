@@ -72,3 +72,10 @@ def test_one_row_runs_decode_row_when_the_artifact_has_it(graphs: tuple[str, ...
         backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
     one_row = "decode_row" if "decode_row" in graphs else "decode_step"
     assert ran == [(one_row, 1), ("decode_step", 2)]
+
+
+def test_a_compiled_directory_without_its_graphs_is_refused(tmp_path) -> None:
+    with pytest.raises(
+        FileNotFoundError, match=r"prefill_chunk\.pt2 and decode_row\.pt2 or decode_step\.pt2"
+    ):
+        AOTIBackend(tmp_path, {}, "cpu")

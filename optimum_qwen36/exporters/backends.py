@@ -124,10 +124,15 @@ class AOTIBackend:
         self.files_dir = files_dir
         extra = files_dir / EXTRA_CONSTANTS
         constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
+        present = [graph for graph in GRAPH_METHODS if (files_dir / f"{graph}.pt2").is_file()]
+        if "prefill_chunk" not in present or present == ["prefill_chunk"]:
+            raise FileNotFoundError(
+                f"{files_dir} lacks compiled graphs (found: {present or 'none'}; needed: prefill_chunk.pt2 "
+                "and decode_row.pt2 or decode_step.pt2). Re-export the model with "
+                "from_pretrained(..., export=True)."
+            )
         self.graphs = {
-            graph: CompiledGraph(files_dir / f"{graph}.pt2", constants, device)
-            for graph in GRAPH_METHODS
-            if (files_dir / f"{graph}.pt2").is_file()
+            graph: CompiledGraph(files_dir / f"{graph}.pt2", constants, device) for graph in present
         }
         self.narrows_block_tables = all(
             ANY_TABLE_WIDTH.items() <= graph.metadata.items() for graph in self.graphs.values()
