@@ -1,9 +1,10 @@
 """Linear layers written as matrix-vector products while tracing a one-row graph (batch-1 decode on CPU).
 
-ATen runs a one-row bf16 `F.linear` through oneDNN's matrix-matrix kernels, which read the weight at 12-17
+ATen runs a one-row bf16 `F.linear` through oneDNN's matrix-matrix kernels, which read the weight at 10-17
 GB/s on this project's 2-core machine. Written as a multiply-and-sum over the weight's rows, Inductor compiles
-it to one vectorised pass that streams the weight at 17-26 GB/s (float32 accumulation, as before). A decode
-step reads every weight once, so its time follows that rate (docs/EXPORT.md, section 1c). With more than
+it to one vectorised pass that streams the weight at 21-32 GB/s (float32 accumulation, as before;
+benchmarks/bench_matvec.py). A decode step reads every weight once, so its time follows that rate
+(docs/EXPORT.md, section 1c). With more than
 one row, the matrix-matrix kernels read each weight once for all rows and stay faster: the mode leaves those
 alone.
 """
