@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_generate import best_time
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear
 
@@ -31,16 +30,6 @@ MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
 GDN = [(6144, 1024), (2048, 1024), (16, 1024), (16, 1024), (1024, 2048)]  # in_proj_qkv, z, b, a; out_proj
 ATTENTION = [(4096, 1024), (512, 1024), (512, 1024), (1024, 2048)]  # q (with its gate), k, v, o
 LAYER_SHAPES = (GDN + MLP) * 3 + ATTENTION + MLP  # 4 layers
-
-
-def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,7 +49,7 @@ def streaming_rates(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
             return [linear(x, w) for x, w in zip(xs, ws, strict=True)]
 
         graph = torch.compile(apply_all)
-        rates[name] = total / best_time(lambda graph=graph: graph(inputs, weights)) / 1e9
+        rates[name] = total / best_time(lambda graph=graph: graph(inputs, weights), repeats=5) / 1e9
     return rates
 
 
