@@ -95,3 +95,29 @@ class StubHubRepo:
         )
         shutil.copytree(source, self.root / path_in_repo, dirs_exist_ok=True)
         return f"https://huggingface.co/{repo_id}/commit/0"
+
+
+def assert_greedy_matches_reference(
+    ours: Any, reference: Any, rel_tol: float = 1e-4, what: str = "reference"
+) -> None:
+    """`ours` and `reference` are generate() outputs with `logits`. At every step, every row's logits are
+    within rel_tol of that step's largest |logit|, and the greedy tokens are equal, except after a
+    reference near-tie (its top two logits within the tolerance), where a row may legitimately diverge:
+    that row is compared up to and including the tie."""
+    prompt_width = ours.sequences.shape[1] - len(ours.logits)
+    assert ours.sequences.shape == reference.sequences.shape
+    torch.testing.assert_close(ours.sequences[:, :prompt_width], reference.sequences[:, :prompt_width])
+    for row in range(ours.sequences.shape[0]):
+        for step, (mine, theirs) in enumerate(zip(ours.logits, reference.logits, strict=True)):
+            tolerance = rel_tol * float(theirs.abs().max())
+            diff = float((mine[row] - theirs[row]).abs().max())
+            assert diff <= tolerance, f"row {row}, step {step}: max |logit diff| {diff:.3g} > {tolerance:.3g}"
+            column = prompt_width + step
+            if ours.sequences[row, column] != reference.sequences[row, column]:
+                top2 = theirs[row].topk(2).values
+                gap = float(top2[0] - top2[1])
+                assert gap <= 2 * tolerance, (
+                    f"row {row}, step {step}: greedy token {int(ours.sequences[row, column])} != "
+                    f"{what}'s {int(reference.sequences[row, column])} (not a near-tie: gap {gap:.3g})"
+                )
+                break

@@ -31,9 +31,13 @@ logger = logging.getLogger(__name__)
 # Measured on this project's 2-core AVX-512 machine (docs/EXPORT.md): `freezing` folds weights into derived
 # constants (`_frozen_param*`) that can no longer be bound from the safetensors and gave no measurable
 # speed-up; max-autotune multiplies compile time. Plain Inductor with external weights is the default.
+# `always_keep_tensor_constants`: without it Inductor writes the *values* of 0-d and short 1-d weights
+# (`A_log`, `dt_bias` with <= 8 value heads) into the generated code, and a graph compiled for one
+# checkpoint silently computes with that checkpoint's values when another one's weights are bound.
 DEFAULT_INDUCTOR_CONFIGS: dict[str, Any] = {
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": None,
+    "always_keep_tensor_constants": True,
     "max_autotune": False,
     "freezing": False,
 }
@@ -57,6 +61,10 @@ class _MethodAsForward(nn.Module):
 
 class CopyingMutationError(ValueError):
     """A graph would copy a whole mutated input on every call instead of updating it in place."""
+
+
+class BakedInTensorError(ValueError):
+    """A compiled graph holds the values of some of its weights instead of taking them at load."""
 
 
 def copied_mutations(program: torch.export.ExportedProgram) -> dict[int, str]:
@@ -119,6 +127,23 @@ def compile_method(
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(package_path), inductor_configs=configs
         )
+    tensors = {**program.state_dict, **program.constants}
+    # Parameters and buffers must be bound at load; constants the traced code made itself may be inlined.
+    signature = program.graph_signature
+    bindable = set(torch._inductor.aoti_load_package(str(package_path)).get_constant_fqns())
+    # A tied weight is bound under one of its names.
+    bound_tensors = {id(tensors[name]) for name in bindable if name in tensors}
+    baked_in = sorted(
+        _unwrapped(name)
+        for name in (*signature.parameters, *signature.buffers)
+        if name not in bindable and id(tensors[name]) not in bound_tensors
+    )
+    if baked_in:
+        raise BakedInTensorError(
+            f"The compiled {type(model).__name__}.{method} holds the values of {baked_in[:8]} instead of "
+            "taking them at load: it would compute with these values for any checkpoint. Compile with "
+            "inductor config always_keep_tensor_constants=True."
+        )
     logger.info(
         "Compiled %s.%s to %s: export %.1fs, AOTInductor %.1fs",
         type(model).__name__,
@@ -127,7 +152,6 @@ def compile_method(
         exported - start,
         time.perf_counter() - exported,
     )
-    tensors = {**program.state_dict, **program.constants}
     return {_unwrapped(name): t.detach() for name, t in tensors.items() if isinstance(t, torch.Tensor)}
 
 

@@ -1,9 +1,11 @@
 """Local cache of compiled graphs, keyed by everything that changes the compiled code.
 
-Weights are not compiled into the graphs (they are bound at load), so the key is the model *architecture*
-(config), the static shapes and dtype (neuron config minus the checkpoint id), the software versions /
-CPU ISA and the source of the code the graphs are traced from: exporting another checkpoint of the same
-architecture reuses the compilation too, while a change to the model code never reuses stale graphs.
+Weights are not compiled into the graphs (they are bound at load; `aoti.compile_method` refuses a graph that
+holds the value of any weight), so the key is the model *architecture* (config), the static shapes and dtype
+(neuron config minus the checkpoint id), the software versions / CPU ISA and the source of the code the
+graphs are traced from: exporting another checkpoint of the same architecture reuses the compilation and
+computes with that checkpoint's weights (tests/test_export_configs.py), while a change to the model code
+never reuses stale graphs.
 
 Location: $OPTIMUM_QWEN36_CACHE, else $XDG_CACHE_HOME/optimum-qwen36, else ~/.cache/optimum-qwen36.
 
