@@ -109,6 +109,19 @@ print(json.dumps(out.tolist()))
     assert torch.equal(loaded, _greedy(model))
 
 
+@pytest.mark.parametrize("bad_id", [512, 10**6, -1])
+def test_bad_token_ids_raise_instead_of_aborting(exported, bad_id: int) -> None:
+    """The compiled embedding's bounds check would abort the process (a C++ exception inside an OpenMP
+    region); generate() refuses the ids first, and the model keeps working."""
+    model = exported[3]
+    before = _greedy(model)
+    with pytest.raises(ValueError, match=f"= {bad_id} is not a token"):
+        model.generate(torch.tensor([[3, bad_id, 4]]), max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="integer token ids"):
+        model.generate(torch.tensor([[3.0, 4.5]]), max_new_tokens=2, do_sample=False)
+    assert torch.equal(_greedy(model), before)
+
+
 def test_second_export_reuses_the_compile_cache(exported, no_compilation) -> None:
     checkpoint, _, cache_dir, model, _ = exported
     start = time.perf_counter()

@@ -183,3 +183,32 @@ def test_chunk_size_not_aligned_to_the_kernel_chunk_stays_within_fp32_noise(chec
     prompt = tokens(300, 50)
     check(model, cold_model, [prompt])
     assert check(model, cold_model, [prompt]) == [256]
+
+
+def test_a_generate_call_that_raises_releases_its_blocks(
+    checkpoint: Path, cold: NeuronQwen36ForCausalLM
+) -> None:
+    model = warm_model(checkpoint)
+    pool = model.prefix_cache.pool
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > 200 + 2:  # after two decode steps
+            assert any(pool.ref_count(b) for b in range(1, pool.num_blocks))  # the rows hold blocks now
+            raise Interrupt
+        return scores
+
+    ids, mask = left_padded_prompts([200, 150])
+    with pytest.raises(Interrupt):
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, logits_processor=[interrupt]
+        )
+    # No block is held by the interrupted rows: what the cache keeps (the prefilled prompts' blocks) is
+    # evictable, and the next call is correct.
+    assert not any(pool.ref_count(b) for b in range(1, pool.num_blocks))
+    prompts = [ids[0], ids[1, 50:]]
+    assert check(model, cold, prompts) == [192, 128]
+    model.prefix_cache.clear()
+    assert pool.num_free == pool.num_blocks - 1

@@ -32,6 +32,7 @@ from .generation import (
     build_logits_processors,
     build_stopping_criteria,
     max_new_tokens_of,
+    pads_finished_rows,
     prepare_generation_config,
     select_next_tokens,
 )
@@ -95,7 +96,6 @@ class NeuronModelForCausalLM:
         # With prefix caching, one KV cache lives as long as the model: its blocks hold the cached prefixes.
         self.prefix_cache: PrefixCache | None = None
         self._prefix_kv: Qwen36HybridCache | None = None
-        self._prefix_run: PrefixCachedRun | None = None
         if neuron_config.prefix_caching:
             self._prefix_kv = self.new_cache()
             self.prefix_cache = build_prefix_cache(self._prefix_kv, neuron_config, config)
@@ -348,9 +348,7 @@ class NeuronModelForCausalLM:
         input_ids = inputs if inputs is not None else inputs_kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("generate() needs input_ids (a [batch, length] tensor of token ids).")
-        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
+        input_ids = self._token_ids(input_ids)
         rows = self._prompt_rows(input_ids, inputs_kwargs.get("attention_mask"))
         width = input_ids.shape[1]
         max_new_tokens = max_new_tokens_of(config, width)
@@ -362,40 +360,54 @@ class NeuronModelForCausalLM:
         if pad_token_id is None and config.eos_token_id is not None:
             eos = config.eos_token_id
             pad_token_id = eos[0] if isinstance(eos, list | tuple) else eos
+        if pad_token_id is not None and not 0 <= pad_token_id < self.config.vocab_size:
+            # Finished rows keep decoding on pad_token_id: it is fed to the model.
+            raise ValueError(
+                f"pad_token_id={pad_token_id} is not a token of this model's vocabulary "
+                f"(0..{self.config.vocab_size - 1})."
+            )
         padding_lengths = torch.tensor([width - len(r) for r in rows])
         processors = build_logits_processors(config, width, padding_lengths, logits_processor)
         criteria = build_stopping_criteria(
             config, width + max_new_tokens, stopping_criteria, inputs_kwargs.get("tokenizer")
         )
+        # Like transformers: ended rows get pad_token_id only when an EOS criterion is present.
+        pad_ended_rows = pad_token_id is not None and pads_finished_rows(criteria)
         if streamer is not None:
             streamer.put(input_ids)
 
         run = self._start_prefix_run(cache)
-        logits = run.prefill(rows) if run else self._prefill(rows, cache)
         sequences = input_ids
-        unfinished = torch.ones(len(rows), dtype=torch.bool)
         raw_logits: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
-        for step in range(max_new_tokens):
-            processed = processors(sequences, logits)
-            if config.output_logits:
-                raw_logits.append(logits)
-            if config.output_scores:
-                scores.append(processed)
-            next_tokens = select_next_tokens(processed, config.do_sample)
-            if pad_token_id is not None:
-                next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
-            sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
-            if streamer is not None:
-                streamer.put(next_tokens)
-            unfinished &= ~criteria(sequences, processed)
-            if not unfinished.any() or step == max_new_tokens - 1:
-                break
+        try:
+            logits = run.prefill(rows) if run else self._prefill(rows, cache)
+            unfinished = torch.ones(len(rows), dtype=torch.bool)
+            for step in range(max_new_tokens):
+                processed = processors(sequences, logits)
+                if config.output_logits:
+                    raw_logits.append(logits)
+                if config.output_scores:
+                    scores.append(processed)
+                next_tokens = select_next_tokens(processed, config.do_sample)
+                if pad_ended_rows:
+                    next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+                sequences = torch.cat([sequences, next_tokens[:, None]], dim=1)
+                if streamer is not None:
+                    streamer.put(next_tokens)
+                unfinished &= ~criteria(sequences, processed)
+                if not unfinished.any() or step == max_new_tokens - 1:
+                    break
+                if run:
+                    run.before_decode(next_tokens, unfinished)
+                logits = self._decode(next_tokens, cache)
+                if run:
+                    run.after_decode()
+        except BaseException:
             if run:
-                run.before_decode(next_tokens, unfinished)
-            logits = self._decode(next_tokens, cache)
-            if run:
-                run.after_decode()
+                # The rows' blocks go back to the pool; nothing half-computed is cached.
+                run.finish(completed=False)
+            raise
         cached_tokens = run.finish() if run else None
         if streamer is not None:
             streamer.end()
@@ -410,6 +422,30 @@ class NeuronModelForCausalLM:
         if cached_tokens is not None:
             output["cached_tokens"] = torch.tensor(cached_tokens)  # per row: prompt tokens reused
         return output
+
+    def _token_ids(self, input_ids: Any) -> torch.Tensor:
+        """`input_ids` as a [batch, length] int64 tensor, refused unless every id is in the vocabulary: an id
+        out of range would fail deep inside a compiled graph (on cpu, by aborting the process)."""
+        ids = torch.as_tensor(input_ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(
+                f"input_ids must hold integer token ids, got dtype {ids.dtype}: tokenize the text (or "
+                "convert the ids with .long()) instead of passing other values."
+            )
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.numel() == 0:
+            raise ValueError(f"input_ids must be [batch, length] with length >= 1, got {tuple(ids.shape)}.")
+        ids = ids.to(torch.long)
+        vocab = self.config.vocab_size
+        outside = (ids < 0) | (ids >= vocab)
+        if outside.any():
+            row, col = (int(i) for i in outside.nonzero()[0])
+            raise ValueError(
+                f"input_ids[{row}, {col}] = {int(ids[row, col])} is not a token of this model's vocabulary "
+                f"(0..{vocab - 1}); {int(outside.sum())} id(s) are out of range. Use the model's tokenizer."
+            )
+        return ids
 
     def _prompt_rows(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
@@ -479,16 +515,10 @@ class NeuronModelForCausalLM:
         return cache
 
     def _start_prefix_run(self, cache: Qwen36HybridCache) -> PrefixCachedRun | None:
-        """The prefix-cached rows of this call, or None without prefix caching. A call interrupted by an
-        exception left its rows holding cache blocks: they are released here."""
+        """The prefix-cached rows of this call, or None without prefix caching."""
         if self.prefix_cache is None:
             return None
-        if self._prefix_run is not None:
-            self._prefix_run.finish(completed=False)
-        self._prefix_run = PrefixCachedRun(
-            self.prefix_cache, cache, self.backend, self.neuron_config.prefill_chunk_size
-        )
-        return self._prefix_run
+        return PrefixCachedRun(self.prefix_cache, cache, self.backend, self.neuron_config.prefill_chunk_size)
 
     def _prefill(self, rows: list[torch.Tensor], cache: Qwen36HybridCache) -> torch.Tensor:
         """Run each row's uncached tokens in chunks; returns the logits after each row's last token."""

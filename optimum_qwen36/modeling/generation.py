@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     NoRepeatNGramLogitsProcessor,
@@ -72,6 +73,9 @@ UNSUPPORTED_SETTINGS = (
     "output_attentions",
     "output_hidden_states",
     "top_h",
+    "max_time",
+    "remove_invalid_values",
+    "renormalize_logits",
 )
 
 
@@ -100,10 +104,10 @@ def prepare_generation_config(
     if refused:
         raise ValueError(
             f"Unsupported generation settings: { {n: getattr(config, n) for n in refused} }. "
-            "Supported: greedy "
-            "and multinomial sampling (do_sample, temperature, top_k, top_p, min_p), repetition_penalty, "
-            "no_repeat_ngram_size, min_new_tokens, max_new_tokens/max_length, eos_token_id, pad_token_id, "
-            "stop_strings, stopping_criteria, logits_processor, streamer."
+            "Supported: greedy and multinomial sampling (do_sample, temperature, top_k, top_p, min_p), "
+            "repetition_penalty, no_repeat_ngram_size, min_length, min_new_tokens, "
+            "max_new_tokens/max_length, eos_token_id, pad_token_id, stop_strings, stopping_criteria, "
+            "logits_processor, streamer."
         )
     return config, {k: leftover[k] for k in leftover if k in INPUT_KWARGS}
 
@@ -115,13 +119,30 @@ def eos_token_ids(config: GenerationConfig) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
+def _merge_user_list(
+    defaults: LogitsProcessorList | StoppingCriteriaList,
+    user: LogitsProcessorList | StoppingCriteriaList | None,
+) -> LogitsProcessorList | StoppingCriteriaList:
+    """transformers' merge (`GenerationMixin._merge_criteria_processor_list`): a user entry of the same
+    type as a built-in one replaces it at the built-in's position (it is not applied twice); the others
+    follow."""
+    if not user:
+        return defaults
+    merged = type(defaults)()
+    for default in defaults:
+        merged.append(next((custom for custom in user if type(custom) is type(default)), default))
+    merged.extend(custom for custom in user if custom not in merged)
+    return merged
+
+
 def build_logits_processors(
     config: GenerationConfig,
     prompt_width: int,
     padding_lengths: torch.Tensor,
     user: LogitsProcessorList | None,
 ) -> LogitsProcessorList:
-    """The processors transformers would build for these settings, in its order, then the user's."""
+    """The processors transformers would build for these settings, in its order, merged with the user's
+    before the sampling warpers (as transformers does: the warpers are not merged, they always follow)."""
     processors = LogitsProcessorList()
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         # Recent transformers do not penalise a row's left padding; older ones have no such option.
@@ -130,9 +151,12 @@ def build_logits_processors(
     if config.no_repeat_ngram_size:
         processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
     eos = eos_token_ids(config)
+    if config.min_length and eos:
+        # min_length counts the (padded) prompt, like max_length.
+        processors.append(MinLengthLogitsProcessor(config.min_length, eos))
     if config.min_new_tokens and eos:
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_width, config.min_new_tokens, eos))
-    processors.extend(user or [])
+    processors = _merge_user_list(processors, user)
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(config.temperature))
@@ -148,6 +172,10 @@ def build_logits_processors(
 def build_stopping_criteria(
     config: GenerationConfig, max_length: int, user: StoppingCriteriaList | None, tokenizer: Any = None
 ) -> StoppingCriteriaList:
+    """transformers' criteria for these settings, merged with the user's the same way.
+
+    A user `MaxLengthCriteria` replaces the built-in one, but generate() never runs past max_new_tokens
+    (the cache is sized for it)."""
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
     if config.stop_strings is not None:
         if tokenizer is None:
@@ -156,8 +184,13 @@ def build_stopping_criteria(
     eos = eos_token_ids(config)
     if eos:
         criteria.append(EosTokenCriteria(eos_token_id=torch.tensor(eos)))
-    criteria.extend(user or [])
-    return criteria
+    return _merge_user_list(criteria, user)
+
+
+def pads_finished_rows(criteria: StoppingCriteriaList) -> bool:
+    """transformers writes pad_token_id after a finished row only when an EOS criterion is present; a row
+    that stopped on a stop string or a user criterion alone keeps its sampled tokens."""
+    return any(hasattr(c, "eos_token_id") for c in criteria)
 
 
 def max_new_tokens_of(config: GenerationConfig, prompt_width: int) -> int:
@@ -172,6 +205,13 @@ def max_new_tokens_of(config: GenerationConfig, prompt_width: int) -> int:
 
 
 def select_next_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """argmax, or transformers' `_sample` draw: one `torch.multinomial` over the [rows, vocab] softmaxed
+    scores. On CPU it takes argmax(p / e) with e ~ Exp(1) drawn for every row and token in order from the
+    global generator, so a `torch.manual_seed` gives transformers' tokens (tests/test_generate.py checks it)
+    as long as the draw covers exactly the caller's rows (finished ones too) and the real vocabulary:
+    sampling the static batch's dummy rows, skipping finished rows, a padded vocabulary or another sampler
+    (Gumbel noise, a private torch.Generator) would consume the stream differently. It runs on CPU (the
+    backends return CPU logits): transformers on a GPU draws from the CUDA generator, another stream."""
     if do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     return scores.argmax(dim=-1)
