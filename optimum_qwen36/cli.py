@@ -40,7 +40,6 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill step")
     parser.add_argument("--kv-block-size", type=int, default=64, help="attention KV block size (default 64)")
-    parser.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel degree (neuron only)")
     parser.add_argument("--revision", default=None, help="Hub revision of MODEL")
     parser.add_argument(
         "--compile-cache-dir", default=None, help="default: $OPTIMUM_QWEN36_CACHE or ~/.cache"
@@ -62,7 +61,6 @@ def _settings(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         prefill_chunk_size=args.prefill_chunk_size,
         kv_block_size=args.kv_block_size,
-        tp_degree=args.tp_degree,
     )
 
 

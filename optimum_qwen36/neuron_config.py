@@ -48,7 +48,6 @@ class Qwen36NeuronConfig:
     dtype: str = "bfloat16"
     backend: str = "eager"
     tp_degree: int = 1
-    recurrent_state_dtype: str = "float32"
     checkpoint_id: str | None = None
     checkpoint_revision: str | None = None
     # Prefix caching (docs/PREFIX_CACHING.md): attention KV blocks and GDN state checkpoints reused across
@@ -60,7 +59,6 @@ class Qwen36NeuronConfig:
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
-        self.recurrent_state_dtype = dtype_name(self.recurrent_state_dtype)
         for name in ("batch_size", "sequence_length", "prefill_chunk_size", "kv_block_size", "tp_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -69,11 +67,6 @@ class Qwen36NeuronConfig:
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}.")
         if self.backend not in SUPPORTED_BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}: choose one of {SUPPORTED_BACKENDS}.")
-        if self.recurrent_state_dtype != "float32":
-            raise ValueError(
-                "recurrent_state_dtype must be float32: the Gated DeltaNet state accumulates over the whole "
-                "sequence and lower precision changes greedy tokens."
-            )
         if self.kv_block_size % 16 != 0:
             raise ValueError(f"kv_block_size must be a multiple of 16, got {self.kv_block_size}.")
         if self.prefill_chunk_size > self.sequence_length:
@@ -81,10 +74,10 @@ class Qwen36NeuronConfig:
                 f"prefill_chunk_size ({self.prefill_chunk_size}) cannot exceed sequence_length "
                 f"({self.sequence_length})."
             )
-        if self.tp_degree != 1 and self.backend != "neuron":
+        if self.tp_degree != 1:
             raise ValueError(
-                f"tp_degree={self.tp_degree} needs backend='neuron'; the {self.backend} backend runs "
-                "tp_degree=1."
+                f"tp_degree={self.tp_degree}: tensor parallelism is not implemented yet; every backend runs "
+                "the whole model in one process (tp_degree=1)."
             )
 
     @property
@@ -100,6 +93,10 @@ class Qwen36NeuronConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Qwen36NeuronConfig:
+        values = dict(values)
+        # Written by earlier versions, where the GDN recurrent state could only be float32 (it still is).
+        if values.pop("recurrent_state_dtype", "float32") != "float32":
+            raise ValueError(f"{NEURON_CONFIG_NAME}: the Gated DeltaNet recurrent state is always float32.")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -72,16 +72,19 @@ def test_neuron_config_validation() -> None:
         Qwen36NeuronConfig(batch_size=0)
     with pytest.raises(ValueError, match="Unsupported dtype"):
         Qwen36NeuronConfig(dtype="int8")
-    with pytest.raises(ValueError, match="recurrent_state_dtype must be float32"):
-        Qwen36NeuronConfig(recurrent_state_dtype="bfloat16")
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         Qwen36NeuronConfig(sequence_length=128, prefill_chunk_size=256)
-    with pytest.raises(ValueError, match="needs backend='neuron'"):
-        Qwen36NeuronConfig(tp_degree=4, backend="eager")
+    for backend in ("eager", "cpu", "neuron"):  # refused when the config is built, not at export
+        with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
+            Qwen36NeuronConfig(tp_degree=2, backend=backend)
     with pytest.raises(ValueError, match="Unknown backend"):
         Qwen36NeuronConfig(backend="tpu")
     with pytest.raises(ValueError, match="written by a newer version"):
         Qwen36NeuronConfig.from_dict({"batch_size": 1, "from_the_future": True})
+    # Earlier versions wrote the (always float32) recurrent state dtype.
+    assert Qwen36NeuronConfig.from_dict({"recurrent_state_dtype": "float32"}) == Qwen36NeuronConfig()
+    with pytest.raises(ValueError, match="always float32"):
+        Qwen36NeuronConfig.from_dict({"recurrent_state_dtype": "bfloat16"})
     assert Qwen36NeuronConfig(dtype=torch.bfloat16).dtype == "bfloat16"
 
 

@@ -89,11 +89,10 @@ class GDNCheckpoint:
         position: int,
         conv: torch.Tensor,
         recurrent: torch.Tensor,
-        device: torch.device | str | None = None,
     ) -> GDNCheckpoint:
-        """Copy a slot's state (views of the live cache) into a new checkpoint."""
-        conv = conv.detach().to(device=device, copy=True).contiguous()
-        recurrent = recurrent.detach().to(device=device, copy=True).contiguous()
+        """Copy a slot's state (views of the live cache) into a new checkpoint, on the cache's device."""
+        conv = conv.detach().clone(memory_format=torch.contiguous_format)
+        recurrent = recurrent.detach().clone(memory_format=torch.contiguous_format)
         nbytes = conv.numel() * conv.element_size() + recurrent.numel() * recurrent.element_size()
         return cls(key, position, conv, recurrent, layer_checksums(conv), layer_checksums(recurrent), nbytes)
 

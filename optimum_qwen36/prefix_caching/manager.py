@@ -45,7 +45,6 @@ class PrefixCacheConfig:
     granularity: int = 64  # checkpoint positions are multiples of this
     checkpoint_interval: int = 2048  # sparse checkpoints inside long prompts; 0 disables
     identity: str = ""  # model/artifact identity salting every hash
-    checkpoint_device: str | None = None  # where checkpoints live; None = the cache's device
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
@@ -268,9 +267,7 @@ class PrefixCache:
         node = self._checkpoint_holder(seq, position)
         if node is None:
             return False
-        self._attach(
-            node, GDNCheckpoint.capture(node.key, position, conv, recurrent, self.config.checkpoint_device)
-        )
+        self._attach(node, GDNCheckpoint.capture(node.key, position, conv, recurrent))
         return True
 
     def decode_snapshot_due(self, seq: CachedSequence, num_computed: int) -> bool:
@@ -283,7 +280,7 @@ class PrefixCache:
         """Keep a copy of the decode-time state at ``position`` (replacing the previous one); ``finish``
         stores it if the sequence's tokens reach that far, so that a next turn reuses the answer."""
         self._check_state(seq, position, conv, recurrent)
-        seq._staged = GDNCheckpoint.capture(b"", position, conv, recurrent, self.config.checkpoint_device)
+        seq._staged = GDNCheckpoint.capture(b"", position, conv, recurrent)
 
     def finish(self, seq: CachedSequence, num_computed: int | None = None) -> None:
         """End a sequence: register its computed blocks, store the staged state, release its references.
