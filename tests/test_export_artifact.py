@@ -64,6 +64,21 @@ def test_other_versions_are_refused(saved: Path, key: str) -> None:
         artifact.verify_artifact(saved, "cpu", 1)
 
 
+def test_a_neuron_artifact_is_refused_after_a_torch_neuronx_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch pins the torch-neuronx family (2.13.x / 2.14.x), not its release: that is recorded too."""
+    monkeypatch.setattr(artifact, "_distribution_version", lambda name: "2.14.3.0.1")
+    (tmp_path / "compiled").mkdir()
+    (tmp_path / "compiled" / "step.neff").write_bytes(b"native code")
+    manifest = artifact.write_manifest(tmp_path, "neuron", 1)
+    assert manifest["environment"]["torch_neuronx"] == "2.14.3.0.1"
+    artifact.verify_artifact(tmp_path, "neuron", 1)
+    monkeypatch.setattr(artifact, "_distribution_version", lambda name: "2.14.3.0.2")
+    with pytest.raises(artifact.ArtifactVersionError, match=r"torch_neuronx '2\.14\.3\.0\.1'"):
+        artifact.verify_artifact(tmp_path, "neuron", 1)
+
+
 def test_missing_cpu_isa_is_refused(saved: Path) -> None:
     absent = [flag for flag in artifact.ISA_FLAGS if flag not in artifact.cpu_isa()]
     if not absent:

@@ -1,19 +1,72 @@
-"""The neuron backend's wiring, without the Neuron SDK: the error that says what to install, and (against
-a stand-in torch_neuronx and torch.compile) the compile options, NEFF cache location and warm-up."""
+"""The neuron backend without the Neuron SDK: the error that says what to install, and, against the stand-in
+SDK of neuron_standin.py (which reads and writes the NEFF cache where TorchNeuron does), what the backend does
+with the compiler's cache: where a fresh export compiles to, what save_pretrained carries, that a load reuses
+the NEFFs without compiling or writing into the verified artifact, and when the NKI ops are imported."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import sys
-import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import export_eager, left_padded_prompts
+from neuron_standin import NEFF_CACHE_ENV, NEURON_OPS, OPS, Build, StandInNeuronSDK
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM, Qwen36NeuronConfig
-from optimum_qwen36.exporters import neuron
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36 import nki as nki_ops
+from optimum_qwen36.exporters import artifact, neuron
+
+SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
+STEP_OPTIONS = dict(backend="neuron", fullgraph=True, dynamic=False)
+
+
+def new_process(sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a fresh Python process starts from: no runtime, no process NEFF cache, the variable unset."""
+    sdk.restart()
+    monkeypatch.setattr(neuron, "_process_cache", None)
+    monkeypatch.delenv(NEFF_CACHE_ENV, raising=False)
+
+
+@pytest.fixture
+def sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[StandInNeuronSDK]:
+    standin = StandInNeuronSDK(tmp_path / "default-neff-cache")
+    standin.install(monkeypatch)
+    new_process(standin, monkeypatch)
+    monkeypatch.delenv("TORCH_NEURONX_NEFF_DISABLE_CACHE", raising=False)
+    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
+    # The stand-in's "device" is the CPU.
+    monkeypatch.setitem(neuron.NeuronBackend.__init__.__kwdefaults__, "device", "cpu")
+    yield standin
+    standin.restart()  # drops the stand-in neuron_ops module
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint) -> Path:
+    path, _ = tiny_checkpoint("causal", seed=3)
+    return path
+
+
+def greedy(model: NeuronQwen36ForCausalLM) -> torch.Tensor:
+    ids, mask = left_padded_prompts([5, 9], seed=1)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+
+
+def export(checkpoint: Path) -> NeuronQwen36ForCausalLM:
+    return NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="neuron", **SETTINGS)
+
+
+def outcomes(builds: list[Build]) -> list[tuple[str, str]]:
+    return [(b.step, b.outcome) for b in builds]
+
+
+def artifact_neffs(directory: Path) -> dict[str, bytes]:
+    root = directory / "compiled" / neuron.NEURON_CACHE_DIR
+    return {name: (root / name).read_bytes() for name in neuron.neff_files(root)}
 
 
 def test_missing_sdk_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,65 +74,141 @@ def test_missing_sdk_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(neuron.NeuronSDKUnavailableError) as error:
         neuron.require_torch_neuronx()
     assert "pip.repos.neuron.amazonaws.com" in str(error.value)
+    assert "torch-neuronx==2.14.*" in str(error.value)
     assert "backend='cpu'" in str(error.value)
 
 
 def test_export_with_neuron_backend_fails_clearly_without_sdk(
-    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)
-    path, _ = tiny_checkpoint("causal", seed=3)
     with pytest.raises(neuron.NeuronSDKUnavailableError, match="AWS Neuron"):
-        NeuronQwen36ForCausalLM.from_pretrained(
-            path, export=True, backend="neuron", sequence_length=64, dtype="float32", prefill_chunk_size=16
-        )
+        export(checkpoint)
 
 
-def test_wiring_against_a_stand_in_sdk(
-    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_export_save_and_load_reuse_the_neffs(
+    checkpoint: Path, sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
-    monkeypatch.setenv(neuron.NEURON_CACHE_ENV, "restored after the test")
-    compiled, runs = [], []
+    want = greedy(export_eager(checkpoint, **SETTINGS))
+    model = export(checkpoint)
+    assert sdk.compile_calls == [("prefill_chunk", STEP_OPTIONS), ("decode_step", STEP_OPTIONS)]
+    # The runtime read TORCH_NEURONX_NEFF_CACHE_DIR, which the backend pointed at the process's private cache
+    # (not the shared default /tmp/neff_cache), and the warm-up compiled both steps there.
+    work = sdk.cache_dir
+    assert work == model.backend.neff_cache.directory == Path(os.environ[NEFF_CACHE_ENV])
+    assert work != sdk.default_cache_dir and not sdk.default_cache_dir.exists()
+    assert [(b.step, b.outcome) for b in sdk.builds] == [
+        ("prefill_chunk", "compiled"),
+        ("decode_step", "compiled"),
+    ]
+    built = {name: (work / name).read_bytes() for name in neuron.neff_files(work)}
+    assert sorted(built) == sorted(f"{b.key[:2]}/{b.key[2:4]}/{b.key}.neff" for b in sdk.builds)
+    assert torch.equal(greedy(model), want)
+    assert len(sdk.builds) == 2  # generate() ran the shapes the warm-up compiled: no compilation at run time
 
-    def fake_compile(fn, **options):
-        compiled.append((fn.__name__, options))
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    assert artifact_neffs(saved) == built
+    manifest = artifact.read_manifest(saved)
+    assert {f"compiled/neuron_cache/{name}" for name in built} <= set(manifest["files"])
 
-        def run(*args):  # the stand-in "device" is the CPU: run the step eagerly
-            runs.append(fn.__name__)
-            return fn(*args)
+    # Another process, or another machine: the export's cache is gone; only the artifact has the NEFFs.
+    new_process(sdk, monkeypatch)
+    shutil.rmtree(work)
+    sdk.events.clear()
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
+    # The NKI ops were imported (and registered) before the steps were handed to torch.compile.
+    kinds = [kind for kind, _ in sdk.events]
+    assert sdk.events[: 1 + len(OPS)] == [("import", NEURON_OPS)] + [("register", op) for op in OPS]
+    assert kinds.index("torch.compile") > len(OPS)
+    assert torch.equal(greedy(loaded), want)
+    loads = sdk.builds[2:]
+    assert [(b.step, b.outcome) for b in loads] == [
+        ("prefill_chunk", "persistent hit"),
+        ("decode_step", "persistent hit"),
+    ]
+    assert [b.key for b in loads] == [b.key for b in sdk.builds[:2]]
+    # The runtime read the NEFFs from a working copy, not from the verified artifact, and wrote nothing there.
+    assert saved.resolve() not in (sdk.cache_dir.resolve(), *sdk.cache_dir.resolve().parents)
+    assert artifact_neffs(saved) == built
+    artifact.verify_artifact(saved, "neuron", 1)
 
-        return run
-
-    path, _ = tiny_checkpoint("causal", seed=3)
-    reference = export_eager(path, batch_size=2, sequence_length=64)
-    nc = Qwen36NeuronConfig(
-        backend="neuron", batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32"
-    )
-    backend = neuron.NeuronBackend(
-        reference.model,
-        nc,
-        lambda device: NeuronQwen36ForCausalLM.cache_for(reference.config, nc, device),
-        compile_fn=fake_compile,
-        device="cpu",
-    )
-    expected = dict(backend="neuron", fullgraph=True, dynamic=False)
-    assert compiled == [("prefill_chunk", expected), ("decode_step", expected)]
-    assert runs == ["prefill_chunk", "decode_step"]  # warm-up: the NEFFs are built at export
-    # The compiler's cache points at the backend's directory, which save() copies into the artifact.
-    assert os.environ[neuron.NEURON_CACHE_ENV] == str(backend.cache_dir)
-    (backend.cache_dir / "graph.neff").write_bytes(b"neff")
-    backend.save(tmp_path)
-    assert (tmp_path / "compiled" / neuron.NEURON_CACHE_DIR / "graph.neff").read_bytes() == b"neff"
-
-    ids, mask = left_padded_prompts([5, 9], seed=1)
-    want = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    reference.backend = backend
-    assert torch.equal(reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), want)
+    # Saving the loaded model carries the NEFFs on.
+    resaved = tmp_path / "resaved"
+    loaded.save_pretrained(resaved)
+    assert artifact_neffs(resaved) == built
 
 
-def test_tensor_parallel_neuron_is_refused_until_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
-    nc = Qwen36NeuronConfig(backend="neuron", tp_degree=2, sequence_length=64, prefill_chunk_size=16)
-    with pytest.raises(NotImplementedError, match="tp_degree=1"):
-        neuron.NeuronBackend(None, nc, lambda device: None, compile_fn=lambda fn, **_: fn)
+def test_exporting_again_in_the_same_process_still_saves_the_neffs(
+    checkpoint: Path, sdk: StandInNeuronSDK, tmp_path: Path
+) -> None:
+    export(checkpoint)
+    again = export(checkpoint)
+    # The runtime found the second export's graphs in memory: nothing new was written to the cache.
+    assert [b.outcome for b in sdk.builds] == ["compiled", "compiled", "memory hit", "memory hit"]
+    again.save_pretrained(tmp_path / "saved")
+    assert sorted(artifact_neffs(tmp_path / "saved")) == sorted(neuron.neff_files(sdk.cache_dir))
+    assert len(artifact_neffs(tmp_path / "saved")) == 2
+
+
+def test_a_cache_dir_set_by_the_user_is_used_and_only_this_process_neffs_are_saved(
+    checkpoint: Path, sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared-neff-cache"
+    unrelated = shared / "ab" / "cd" / f"abcd{'0' * 28}.neff"
+    unrelated.parent.mkdir(parents=True)
+    unrelated.write_bytes(b"another model's NEFF")
+    monkeypatch.setenv(NEFF_CACHE_ENV, str(shared))
+    model = export(checkpoint)
+    assert sdk.cache_dir == shared
+    model.save_pretrained(tmp_path / "saved")
+    saved = artifact_neffs(tmp_path / "saved")
+    assert len(saved) == 2 and unrelated.relative_to(shared).as_posix() not in saved
+
+    # A later process with the same shared cache, where one of those NEFFs was changed since: the load
+    # puts the artifact's verified bytes back, and the runtime finds them.
+    new_process(sdk, monkeypatch)
+    monkeypatch.setenv(NEFF_CACHE_ENV, str(shared))
+    changed = shared / sorted(saved)[0]
+    changed.write_bytes(b"not the NEFF the manifest verified")
+    greedy(NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved"))
+    assert changed.read_bytes() == saved[sorted(saved)[0]]
+    assert [b.outcome for b in sdk.builds[2:]] == ["persistent hit", "persistent hit"]
+
+
+def test_neuron_work_before_the_model_is_reported(
+    checkpoint: Path, sdk: StandInNeuronSDK, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    # Something compiled on Neuron before the model was created: the runtime has read the (unset) variable.
+    torch.compile(lambda x: x + 1, backend="neuron")(torch.ones(1))
+    with caplog.at_level(logging.WARNING, logger=neuron.__name__):
+        model = export(checkpoint)
+        model.save_pretrained(tmp_path / "saved")
+    assert sdk.cache_dir == sdk.default_cache_dir  # where the steps' NEFFs went, out of the backend's sight
+    assert "wrote no NEFF" in caplog.text and "No NEFF to save" in caplog.text
+    assert artifact_neffs(tmp_path / "saved") == {}
+
+
+def test_the_cache_variable_stays_where_the_runtime_read_it(
+    sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = neuron.process_neff_cache().directory
+    assert os.environ[NEFF_CACHE_ENV] == str(first) and first.is_dir()
+    monkeypatch.setenv(NEFF_CACHE_ENV, "/somewhere/else")
+    with caplog.at_level(logging.WARNING, logger=neuron.__name__):
+        assert neuron.process_neff_cache().directory == first
+    assert os.environ[NEFF_CACHE_ENV] == str(first)
+    assert "reads the variable once per process" in caplog.text
+
+
+def test_neuron_ops_are_imported_before_tracing(
+    sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Inside a trace, a first import of neuron_ops is refused (Dynamo would have to trace the import).
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="load_neuron_ops"):
+        nki_ops._neuron_ops()
+    assert sdk.events == []
+    module = nki_ops.load_neuron_ops()
+    assert nki_ops._neuron_ops() is module  # once imported, the trace only looks it up
+    assert sdk.events == [("import", NEURON_OPS)] + [("register", op) for op in OPS]

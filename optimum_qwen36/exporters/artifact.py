@@ -4,6 +4,7 @@ CPU ISA the compiled code was built for, checks that refuse what does not match,
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -113,7 +114,17 @@ def environment(backend: str) -> dict[str, Any]:
         env["cpu_isa"] = cpu_isa()
     if backend == "cuda" and torch.cuda.is_available():
         env["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    if backend == "neuron":
+        # torch pins the torch-neuronx family (2.13.x / 2.14.x); the release within it matters too.
+        env["torch_neuronx"] = _distribution_version("torch-neuronx")
     return env
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _files(directory: Path) -> list[str]:
@@ -192,7 +203,7 @@ def check_environment(manifest: dict[str, Any], backend: str, tp_degree: int) ->
             f"tp_degree={tp_degree}: re-export with tp_degree={tp_degree}."
         )
     built, here = manifest["environment"], environment(backend)
-    for key in ("optimum_qwen36", "torch", "compiler", "machine", "cuda_capability"):
+    for key in ("optimum_qwen36", "torch", "torch_neuronx", "compiler", "machine", "cuda_capability"):
         if built.get(key) != here.get(key):
             raise ArtifactVersionError(
                 f"The artifact was compiled with {key} {built.get(key)!r}, this environment has "

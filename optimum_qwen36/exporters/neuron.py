@@ -1,21 +1,50 @@
-"""The `neuron` backend: TorchNeuron (`torch.compile(backend="neuron", fullgraph=True, dynamic=False)` on the
-`neuron` device). The Gated DeltaNet ops dispatch to NKI kernels on that device (`optimum_qwen36.nki`).
+"""The `neuron` backend: TorchNeuron, the Neuron SDK's native PyTorch backend. Each step is compiled by
+`torch.compile(backend="neuron", fullgraph=True, dynamic=False)` and runs on the `neuron` device, where
+the Gated DeltaNet ops dispatch to NKI kernels (`optimum_qwen36.nki.neuron_ops`, imported before
+compiling).
 
-The compiled NEFFs live in the Neuron compile cache; this backend points that cache into the artifact
-(`compiled/neuron_cache/`), so a saved model carries its NEFFs and loading it does not recompile.
+Versions (Neuron SDK 2.33; TorchNeuron release notes, https://awsdocs-neuron.readthedocs-hosted.com/en/
+latest/release-notes/components/torchneuron.html): torch-neuronx 2.13.3.0.* runs on PyTorch 2.13.0 and
+2.14.3.0.* on PyTorch 2.14.0, with Python 3.12, 3.13 or 3.14, on Linux x86_64, Trn2 and Trn3 only (the
+torch-xla based torch-neuronx 2.9 last shipped in SDK 2.31). A saved artifact records the versions of torch,
+torch-neuronx and neuronx-cc exactly (`exporters/artifact.py`, `environment("neuron")`) and refuses to load
+when any of them differs: re-export after an SDK update.
 
-NOT RUN ON HARDWARE: the Neuron SDK cannot be installed where this project is developed. What is tested is
-the wiring (the error without the SDK, the compile arguments, the cache location) against a stand-in.
+NEFF cache. TorchNeuron keeps the NEFFs it compiles (torch.compile graphs and eager ops alike) in a
+persistent cache, `$TORCH_NEURONX_NEFF_CACHE_DIR` (default /tmp/neff_cache), as
+`<dir>/<k[:2]>/<k[2:4]>/<k>.neff` with `k` a hash of the graph's StableHLO; a hit only reads. It reads the
+variable once per process, when its compilation cache is created at the first device work. Sources: the
+torch-neuronx code published in github.com/parmoham-aws/test-repo-parmoham (a pre-release snapshot of
+April 2026, not checked against the SDK 2.33 wheels): torch_neuronx/csrc/core/cache/
+PersistentCacheBackend.cpp, csrc/core/compilation/CompilationCache.cpp,
+csrc/core/utils/NeuronResourceManager.cpp; the variable and its default are also documented in the
+aws-neuron-sdk docs, tools/neuron-explorer/environment-variables.rst and how-to-profile-workload.rst.
+`NEURON_COMPILE_CACHE_URL` belongs to the torch-xla stack: TorchNeuron does not read it. So this module:
+- gives the process one cache directory before the first model moves to the device:
+  `$TORCH_NEURONX_NEFF_CACHE_DIR` if it is already set, else a private temporary directory (mode 0700:
+  NEFFs are native code, and the default /tmp/neff_cache is shared by every user), removed at exit;
+- export: the warm-up compiles every step into it; `save()` copies those NEFFs into the artifact's
+  `compiled/neuron_cache/` (same layout);
+- load: copies the artifact's (verified) NEFFs into the process cache, so the steps compile to cache hits
+  and the compiler never writes into the artifact (a new file there would fail the next load's manifest
+  check).
+
+NOT RUN ON HARDWARE: the Neuron SDK cannot be installed where this project is developed. What is tested,
+against the stand-in SDK of tests/neuron_standin.py, is the wiring: the error without the SDK, the compile
+arguments, where the NEFFs are written and read, and the import order of the NKI ops.
 """
 
 from __future__ import annotations
 
+import atexit
+import filecmp
 import importlib
+import logging
 import os
 import shutil
 import tempfile
-import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,14 +54,21 @@ import torch
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 
+logger = logging.getLogger(__name__)
+
+# Where an artifact keeps its NEFFs: compiled/neuron_cache/, in the compiler's own layout.
 NEURON_CACHE_DIR = "neuron_cache"
-# The Neuron compiler's cache location (read by torch-neuronx when it compiles a graph).
-NEURON_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
+# TorchNeuron's persistent NEFF cache directory (read once per process by its runtime).
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+NEFF_SUFFIX = ".neff"
 INSTALL_HINT = (
-    "The 'neuron' backend needs the AWS Neuron SDK (torch-neuronx, neuronx-cc, nki) on a Trainium or "
-    "Inferentia instance. Install them from the AWS Neuron pip repository, not PyPI (whose packages of "
-    "those names are placeholders):\n"
-    "  pip install torch-neuronx neuronx-cc nki --extra-index-url https://pip.repos.neuron.amazonaws.com\n"
+    "The 'neuron' backend needs TorchNeuron (torch-neuronx 2.13.* or 2.14.* with the same PyTorch "
+    "2.13 / 2.14, Python 3.12-3.14, Neuron SDK 2.33+), the Neuron compiler and nki, on a Trn2 or Trn3 "
+    "instance. Install them from the AWS Neuron pip repository, not PyPI (whose packages of those names "
+    "are placeholders):\n"
+    '  pip install "torch-neuronx==2.14.*" "neuronx-cc==2.*" nki '
+    "--extra-index-url https://pip.repos.neuron.amazonaws.com "
+    "--extra-index-url https://download.pytorch.org/whl/cpu\n"
     "Elsewhere use backend='cpu' (or 'cuda' with a GPU)."
 )
 
@@ -49,10 +85,74 @@ def require_torch_neuronx() -> ModuleType:
         raise NeuronSDKUnavailableError(f"{INSTALL_HINT}\n(import torch_neuronx failed: {error})") from error
 
 
+def neff_files(directory: Path) -> set[str]:
+    """The NEFFs under `directory`, as paths relative to it (in-progress `.tmp.*` files are not NEFFs)."""
+    if not directory.is_dir():
+        return set()
+    return {p.relative_to(directory).as_posix() for p in directory.rglob(f"*{NEFF_SUFFIX}") if p.is_file()}
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    """Copy through a temporary name and a rename, as the runtime writes: no reader sees half a NEFF."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".tmp.{target.name}.{os.getpid()}")
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+
+
+@dataclass(frozen=True)
+class NeffCache:
+    """This process's TorchNeuron NEFF cache directory."""
+
+    directory: Path
+    # NEFFs it held when this process took it: not carried into artifacts (they may be anyone's).
+    preexisting: frozenset[str]
+
+    def neffs(self) -> set[str]:
+        return neff_files(self.directory)
+
+    def written_here(self) -> set[str]:
+        """NEFFs this process added (compiled, or copied in from loaded artifacts)."""
+        return self.neffs() - self.preexisting
+
+
+_process_cache: NeffCache | None = None
+
+
+def process_neff_cache() -> NeffCache:
+    """The process's NEFF cache, chosen on first use and exported as TORCH_NEURONX_NEFF_CACHE_DIR.
+
+    The runtime reads that variable once, so the directory cannot change afterwards: a per-model
+    directory would only be honoured for the first model of a process. A later change of the variable is
+    undone (with a warning), so that this module and the runtime keep agreeing on where the NEFFs are."""
+    global _process_cache
+    if _process_cache is None:
+        configured = os.environ.get(NEFF_CACHE_ENV)
+        if configured:
+            directory = Path(configured)
+            directory.mkdir(parents=True, exist_ok=True)
+        else:
+            directory = Path(tempfile.mkdtemp(prefix="optimum-qwen36-neff-"))
+            atexit.register(shutil.rmtree, directory, True)
+        _process_cache = NeffCache(directory, frozenset(neff_files(directory)))
+        logger.info("TorchNeuron NEFF cache of this process: %s", directory)
+    elif os.environ.get(NEFF_CACHE_ENV) != str(_process_cache.directory):
+        logger.warning(
+            "%s changed to %r after the Neuron runtime read it; it keeps using %s (it reads the variable "
+            "once per process), and so does optimum-qwen36.",
+            NEFF_CACHE_ENV,
+            os.environ.get(NEFF_CACHE_ENV),
+            _process_cache.directory,
+        )
+    os.environ[NEFF_CACHE_ENV] = str(_process_cache.directory)
+    return _process_cache
+
+
 class NeuronBackend:
     """Each step compiled by TorchNeuron; the cache tensors live on the `neuron` device."""
 
     name = "neuron"
+    decodes_any_batch = False  # static shapes: decode always runs the exported batch
 
     def __init__(
         self,
@@ -61,41 +161,62 @@ class NeuronBackend:
         make_cache: Callable[[str], Any],
         compiled_dir: Path | None = None,
         *,
-        compile_fn: Callable[..., Any] | None = None,
         device: str = "neuron",
     ) -> None:
         require_torch_neuronx()
-        if neuron_config.tp_degree != 1:
-            raise NotImplementedError(
-                f"tp_degree={neuron_config.tp_degree}: tensor parallelism is not implemented for the neuron "
-                "backend yet; export with tp_degree=1."
-            )
-        fresh_export = compiled_dir is None
-        if compiled_dir is None:
-            # A fresh export: NEFFs go to a private directory until save() copies them into the artifact.
-            compiled_dir = Path(tempfile.mkdtemp(prefix="optimum-qwen36-neuron-"))
-            weakref.finalize(self, shutil.rmtree, compiled_dir, True)
-        self.files_dir = compiled_dir
-        self.cache_dir = compiled_dir / NEURON_CACHE_DIR
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[NEURON_CACHE_ENV] = str(self.cache_dir)
+        # Before the model moves to the device: the runtime reads the cache location at its first device work.
+        self.neff_cache = process_neff_cache()
+        self._neffs_before = self.neff_cache.neffs()
+        # NEFFs copied in from the artifact being loaded (its save() carries them on).
+        self._carried: set[str] = set()
+        if compiled_dir is not None:
+            self._carried = self._copy_in(compiled_dir / NEURON_CACHE_DIR)
+        from ..nki import load_neuron_ops
+
+        # Registers the NKI custom ops now: the first import must not happen inside the traced step.
+        load_neuron_ops()
         self.device = device
-        self.tp_degree = neuron_config.tp_degree
         self.model = model.to(device)
-        compile_fn = compile_fn or torch.compile
         # Static shapes everywhere: one NEFF per step, no recompilation at run time.
         options = dict(backend="neuron", fullgraph=True, dynamic=False)
         self._steps = {
-            "prefill_chunk": compile_fn(self.model.prefill_chunk, **options),
-            "decode_step": compile_fn(self.model.decode_step, **options),
+            "prefill_chunk": torch.compile(self.model.prefill_chunk, **options),
+            "decode_step": torch.compile(self.model.decode_step, **options),
         }
-        if fresh_export:
-            # torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache.
-            from .backends import example_step_args
+        if compiled_dir is None:
+            self._warm_up(neuron_config, make_cache)
 
-            examples = example_step_args(neuron_config, make_cache(device))
-            for method in self._steps:  # decode_step at the full batch: the static batch it always runs
-                self._run(method, examples[method])
+    def _copy_in(self, source: Path) -> set[str]:
+        """Put an artifact's NEFFs where the runtime looks (not the artifact itself: it must stay as it was
+        verified). A file of the same name already there is replaced unless it holds the same bytes: the
+        runtime must run the NEFFs whose sha256 the manifest check verified."""
+        names = neff_files(source)
+        for name in sorted(names):
+            target = self.neff_cache.directory / name
+            if not target.is_file() or not filecmp.cmp(source / name, target, shallow=False):
+                _copy_file(source / name, target)
+        if not names:
+            logger.warning("%s holds no NEFF: the neuron steps will be compiled again.", source)
+        return names
+
+    def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str], Any]) -> None:
+        """torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache."""
+        from .backends import example_step_args
+
+        examples = example_step_args(neuron_config, make_cache(self.device))
+        for method in self._steps:  # decode_step at the full batch: the static batch it always runs
+            self._run(method, examples[method])
+        if not self.neff_cache.neffs() - self._neffs_before and not self.neff_cache.written_here():
+            logger.warning(
+                "Compiling the neuron steps wrote no NEFF into %s (%s). Either the NEFFs were there before "
+                "this process (save_pretrained() carries only NEFFs written by this process), or the Neuron "
+                "runtime had read %s before this model was created (it reads it once per process: create "
+                "the model before other Neuron work), or TORCH_NEURONX_NEFF_DISABLE_CACHE is set. A saved "
+                "model will be compiled again when it is loaded.",
+                self.neff_cache.directory,
+                NEFF_CACHE_ENV,
+                NEFF_CACHE_ENV,
+            )
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with torch.no_grad():
@@ -108,7 +229,21 @@ class NeuronBackend:
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("decode_step", args)
 
+    def neffs(self) -> set[str]:
+        """The NEFFs a saved model carries: those of the loaded artifact and those compiled since this backend
+        started; when there are none (every step was already compiled in this process, so the runtime found
+        them in memory), all the NEFFs this process wrote, which include them."""
+        names = self._carried | (self.neff_cache.neffs() - self._neffs_before)
+        return names or self.neff_cache.written_here()
+
     def save(self, directory: Path) -> None:
         target = directory / "compiled" / NEURON_CACHE_DIR
-        if target.resolve() != self.cache_dir.resolve():
-            shutil.copytree(self.cache_dir, target, dirs_exist_ok=True)
+        source = self.neff_cache.directory
+        target.mkdir(parents=True, exist_ok=True)
+        if target.resolve() == source.resolve():
+            return
+        names = self.neffs()
+        if not names:
+            logger.warning("No NEFF to save with the model: loading it will compile the neuron steps again.")
+        for name in sorted(names):
+            _copy_file(source / name, target / name)

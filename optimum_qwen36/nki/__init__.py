@@ -5,14 +5,17 @@ h*r .. h*r+r-1, r = HV // H, repeat_interleave order); g (log decay, <= 0) and b
 recurrent states [B, HV, K, V] float32. o has v's dtype.
 
 Tensors on the ``neuron`` device go to the NKI kernels through ``optimum_qwen36.nki.neuron_ops``
-(imported lazily, needs torch-neuronx + nki); everything else runs the PyTorch twins, which are
-written to compile through Inductor / torch.export (static shapes, no data-dependent control flow).
+(needs torch-neuronx + nki; :func:`load_neuron_ops` imports it, which the neuron backend does before
+compiling); everything else runs the PyTorch twins, which are written to compile through Inductor /
+torch.export (static shapes, no data-dependent control flow).
 Kernels and twins live in :mod:`optimum_qwen36.nki.kernels` (``x.py`` beside ``x_torch.py``).
 See docs/GDN_KERNELS.md for the algorithm and its accuracy.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from types import ModuleType
 
 import torch
@@ -28,18 +31,37 @@ __all__ = [
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "load_neuron_ops",
 ]
 
+_NEURON_OPS = "optimum_qwen36.nki.neuron_ops"
 
-def _neuron_ops() -> ModuleType:
+
+def load_neuron_ops() -> ModuleType:
+    """Import ``optimum_qwen36.nki.neuron_ops``, which registers the NKI kernels as torch custom ops
+    (``torch_neuronx.nki_op``); needs the Neuron SDK.
+
+    Call it before ``torch.compile`` traces code that runs these ops on the ``neuron`` device (the neuron
+    backend does). Otherwise the first import, with its SDK imports and op registrations, happens as a side
+    effect in the middle of Dynamo's trace, and a failure there surfaces as an opaque "observed exception"
+    (``importlib.import_module`` itself is refused in a ``fullgraph=True`` trace)."""
     try:
-        from optimum_qwen36.nki import neuron_ops
+        return importlib.import_module(_NEURON_OPS)
     except ImportError as err:
         raise RuntimeError(
             "Gated DeltaNet ops on the 'neuron' device need the Neuron SDK (torch-neuronx + nki, from the "
             "AWS Neuron pip repository, not PyPI)."
         ) from err
-    return neuron_ops
+
+
+def _neuron_ops() -> ModuleType:
+    module = sys.modules.get(_NEURON_OPS)
+    if module is not None:
+        return module
+    if torch.compiler.is_compiling():
+        # Dynamo reports this as an "observed exception" and shows this line, hence the message on it.
+        raise RuntimeError("call optimum_qwen36.nki.load_neuron_ops() before torch.compile on neuron")
+    return load_neuron_ops()  # eager: importing on first use is fine
 
 
 def _check_gdn_inputs(
