@@ -1,39 +1,62 @@
 """Generation speed of a compiled backend (`cpu`, or `cuda` on a GPU) against transformers eager on the same
-device, same weights and dtype.
+device, same weights, same dtype, same token ids, same logits computed.
 
-Measures, in one run: prefill tok/s at each prompt length (one row), decode tok/s at batch 1 and at the
-compiled batch, for our backend (AOTInductor) and transformers' Qwen3_5ForCausalLM; the device's read
-bandwidth and the decode roofline (bytes of weights read per token / bandwidth). Default model: a
-random ~0.8B model of the Qwen3.6 shape family (hidden 1024, 24 layers 3:1, 8/2 attention heads of 256,
-16/16 GDN heads of 128, vocab 248320, tied embeddings).
+Measures, in one run:
+- export: the first export into an empty compile cache (the graphs compile; by default the AOTInductor cache
+  is a fresh directory too), then `--export-loads` exports that find the graphs in the compile cache;
+- prefill tok/s at each prompt length (one row): ours `generate(max_new_tokens=1)`, transformers
+  `model(input_ids, logits_to_keep=1, use_cache=True)`: both compute the logits of the last prompt token
+  only (ours also one row per prefill chunk: `logit_rows_per_prefill` in the JSON), and fill a cache;
+- decode tok/s at batch 1 and at the compiled batch: `generate(max_new_tokens=decode_steps + 1)`, greedy,
+  no EOS, on both sides; a streamer timestamps every new token, and the rate is rows x decode_steps over the
+  time from the first new token (after prefill) to the last, so prefill time does not enter it;
+- the device's read bandwidth and the batch-1 decode roofline (bytes of weights read per token / bandwidth).
+Every figure is `--repeats` runs after a warm-up, ours and transformers alternated run by run (both see the
+same machine load); the JSON keeps every run and min / median / max; the median is the headline figure.
 
-    python benchmarks/bench_generate.py                      # the ~0.8B model (compiling takes a while)
-    python benchmarks/bench_generate.py --layers 4           # same widths, 4 layers: a quick run
+Default model: a random ~0.75B model of the Qwen3.6 shape family (hidden 1024, 24 layers 3:1, 8/2 attention
+heads of 256, 16/16 GDN heads of 128, vocab 248320, tied embeddings).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_generate.py    # ~15 min on 2 cores, ~8 of them compiling
+    python benchmarks/bench_generate.py --layers 2 --prompt-lengths 64 --batch-size 2 --decode-steps 4 \\
+        --repeats 3 --prefill-chunk-size 64 --output /tmp/bench_generate.json                  # a smoke run
     python benchmarks/bench_generate.py --model PATH_OR_ID   # a real checkpoint
     python benchmarks/bench_generate.py --backend cuda       # on a GPU (.ci/device_check runs it)
 
-Writes benchmarks/results/bench_generate.json and .png. Compiled graphs are kept in the compile cache, so
-a second run with the same settings does not compile again.
+Writes benchmarks/results/bench_generate.json and .png (or --output and its .png) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
-import platform
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
+from timing import alternate, fmt, machine, paired_ratios, rates, spread, wall
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 
 RESULTS = Path(__file__).resolve().parent / "results"
+OURS, THEIRS = "ours", "transformers eager"
+GREEDY = {"do_sample": False, "pad_token_id": 0}  # and no EOS (the models' eos_token_id is set to None)
+
+
+def layer_types(layers: int) -> list[str]:
+    """Qwen3.6's pattern, 3 GDN layers then one attention layer; at least one attention layer."""
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    if "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
 
 
 def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
@@ -42,8 +65,7 @@ def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
         hidden_size=1024,
         intermediate_size=3584,
         num_hidden_layers=layers,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
-        + ["linear_attention"] * (layers % 4),
+        layer_types=layer_types(layers),
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=256,
@@ -61,32 +83,20 @@ def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
     return directory
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Minimum wall time over repeats (the machine may be shared: the minimum is the least disturbed). GPU
-    work is waited for, so that each time covers what fn launched."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def read_bandwidth_gbs(device: str, gigabytes: float = 1.0) -> float:
+def read_bandwidth_gbs(device: str, repeats: int, gigabytes: float = 1.0) -> dict:
+    """spread() of GB/s of a 1 GiB float32 sum (read once per run)."""
     data = torch.ones(int(gigabytes * 2**30 / 4), dtype=torch.float32, device=device)
-    seconds = best_time(lambda: data.sum(), repeats=5)
-    return data.numel() * 4 / seconds / 1e9
+    seconds = alternate({"sum": wall(lambda: data.sum())}, repeats)["sum"]
+    return rates(data.numel() * 4 / 1e9, seconds)
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights a decode step reads: every parameter once, except the embedding table (one row is
-    gathered) unless it is tied to the output projection, which reads all of it."""
+    gathered) unless it is tied to the output projection, which reads all of it. `model` has transformers'
+    layout (`model.embed_tokens`, `lm_head`): ours or transformers' Qwen3_5ForCausalLM."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight
-    tied = model.get_output_embeddings().weight.data_ptr() == embedding.data_ptr()
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embedding.data_ptr()
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
@@ -95,41 +105,194 @@ def prompts(length: int, rows: int, vocab: int, device: str = "cpu") -> torch.Te
     return torch.randint(1, min(vocab, 200_000), (rows, length), generator=generator).to(device)
 
 
-def bench_ours(model: NeuronQwen36ForCausalLM, lengths: list[int], batch: int, steps: int) -> dict:
-    model.generation_config.eos_token_id = None  # random weights: never stop early
+class TokenTimes:
+    """A streamer that timestamps every put: the prompt, then each step's new tokens."""
 
-    def generate(ids: torch.Tensor, new: int) -> None:
-        model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    def __init__(self) -> None:
+        self.times: list[float] = []
 
-    results: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for length in lengths:
-        ids = prompts(length, 1, model.config.vocab_size)
-        results["prefill_tok_s"][length] = length / best_time(lambda ids=ids: generate(ids, 1), repeats=2)
-    for rows in sorted({1, batch}):
-        ids = prompts(16, rows, model.config.vocab_size)
-        first = best_time(lambda ids=ids: generate(ids, 1), repeats=2)
-        full = best_time(lambda ids=ids: generate(ids, steps + 1), repeats=2)
-        results["decode_tok_s"][rows] = rows * steps / (full - first)
-    return results
+    def put(self, value: torch.Tensor) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def decode_seconds(self, steps: int) -> float:
+        """Time from the first new token to the last: `steps` decode forward passes."""
+        if len(self.times) != steps + 2:  # the prompt, the first token (prefill), then one per decode step
+            raise RuntimeError(f"expected {steps + 1} new tokens, the streamer saw {len(self.times) - 1}")
+        return self.times[-1] - self.times[1]
 
 
-@torch.no_grad()
-def bench_transformers(model: torch.nn.Module, lengths: list[int], batch: int, steps: int) -> dict:
-    vocab, device = model.config.vocab_size, str(model.device)
-    results: dict = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for length in lengths:
-        ids = prompts(length, 1, vocab, device)
-        results["prefill_tok_s"][length] = length / best_time(lambda ids=ids: model(ids), repeats=2)
+class CompileLog(logging.Handler):
+    """Collects optimum_qwen36's INFO messages about compiling (per-graph export and AOTInductor times)."""
 
-    def generate(ids: torch.Tensor, new: int) -> None:
-        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
 
-    for rows in sorted({1, batch}):
-        ids = prompts(16, rows, vocab, device)
-        first = best_time(lambda ids=ids: generate(ids, 1), repeats=2)
-        full = best_time(lambda ids=ids: generate(ids, steps + 1), repeats=2)
-        results["decode_tok_s"][rows] = rows * steps / (full - first)
-    return results
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(("Compil", "Reusing")):
+            self.records.append(record)
+
+    def summary(self) -> dict:
+        graphs = {}
+        for r in self.records:
+            # exporters/aoti.py: "Compiled %s.%s to %s: export %.1fs, AOTInductor %.1fs"
+            if r.msg.startswith("Compiled %s.%s to %s") and isinstance(r.args, tuple) and len(r.args) == 5:
+                graphs[Path(str(r.args[2])).stem] = {"export_s": r.args[3], "aoti_s": r.args[4]}
+        return {
+            "compiled": any(r.getMessage().startswith("Compiling") for r in self.records),
+            "graphs": graphs,
+            "log": [r.getMessage() for r in self.records],
+        }
+
+
+def export(checkpoint: str, args: argparse.Namespace, cache_dir: Path | None) -> tuple[object, float, dict]:
+    """One `from_pretrained(export=True)`: (model, seconds, what the compile log says)."""
+    log = CompileLog()
+    logger = logging.getLogger("optimum_qwen36")
+    level = logger.level
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
+    try:
+        start = time.perf_counter()
+        model = NeuronQwen36ForCausalLM.from_pretrained(
+            checkpoint,
+            export=True,
+            backend=args.backend,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            sequence_length=max(args.prompt_lengths) + args.decode_steps + 16,
+            prefill_chunk_size=args.prefill_chunk_size,
+            compile_cache_dir=cache_dir,
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        logger.removeHandler(log)
+        logger.setLevel(level)
+    return model, seconds, log.summary()
+
+
+def measure_export(checkpoint: str, args: argparse.Namespace, scratch: Path) -> tuple[object, dict]:
+    """The first export (into an empty compile cache unless --compile-cache-dir), then --export-loads exports
+    that hit the compile cache. Returns the last model and the export report."""
+    if args.compile_cache_dir is None:
+        cache_dir = scratch / "compile-cache"
+        # An empty AOTInductor cache too, so that the first export is what a first-time user waits for.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor-cache")
+        where = "a fresh temporary directory (and a fresh TORCHINDUCTOR_CACHE_DIR)"
+    else:
+        cache_dir, where = args.compile_cache_dir, str(args.compile_cache_dir)
+    model, first, log = export(checkpoint, args, cache_dir)
+    loads = []
+    for _ in range(args.export_loads):
+        del model
+        model, seconds, hit_log = export(checkpoint, args, cache_dir)
+        if hit_log["compiled"]:
+            raise RuntimeError("an export after the first one compiled again: the compile cache missed")
+        loads.append(seconds)
+    files = getattr(model.backend, "files_dir", None)  # the compile-cache entry the graphs were loaded from
+    report = {
+        "compile_cache": where,
+        # One run: a cold compile takes minutes (the 0.75B model: ~8 on 2 cores); the cache hits are repeated.
+        "first_export_s": first,
+        "first_export_compiled": log["compiled"],
+        "first_export_graphs": log["graphs"],
+        "first_export_log": log["log"],
+        "cache_hit_export_s": spread(loads) if loads else None,
+        "compiled_file_bytes": {p.name: p.stat().st_size for p in sorted(Path(files).iterdir())}
+        if files is not None
+        else None,
+    }
+    return model, report
+
+
+def prefill_measures(ours, reference, length: int) -> dict[str, Callable[[], float]]:
+    ids = prompts(length, 1, ours.config.vocab_size)
+    mask = torch.ones_like(ids)
+    measures = {OURS: wall(lambda: ours.generate(ids, attention_mask=mask, max_new_tokens=1, **GREEDY))}
+    if reference is not None:
+        ref_ids = ids.to(reference.device)
+
+        @torch.no_grad()
+        def theirs() -> None:
+            logits = reference(input_ids=ref_ids, logits_to_keep=1, use_cache=True).logits
+            assert logits.shape[1] == 1, "transformers computed more than the last position's logits"
+
+        measures[THEIRS] = wall(theirs)
+    return measures
+
+
+def decode_measures(ours, reference, rows: int, steps: int) -> dict[str, Callable[[], float]]:
+    ids = prompts(16, rows, ours.config.vocab_size)
+
+    def measure(model, ids: torch.Tensor) -> Callable[[], float]:
+        def run() -> float:
+            timer = TokenTimes()
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=steps + 1,
+                    streamer=timer,
+                    **GREEDY,
+                )
+            return timer.decode_seconds(steps)
+
+        return run
+
+    measures = {OURS: measure(ours, ids)}
+    if reference is not None:
+        measures[THEIRS] = measure(reference, ids.to(reference.device))
+    return measures
+
+
+def run_benchmarks(ours, reference, args: argparse.Namespace) -> tuple[dict, dict]:
+    """(results per system: prefill_tok_s / decode_tok_s per length / batch as spreads, speed-ups)."""
+    names = {OURS: f"optimum-qwen36 {args.backend}", THEIRS: THEIRS}
+    results: dict = {names[side]: {"prefill_tok_s": {}, "decode_tok_s": {}} for side in (OURS, THEIRS)}
+    speedup: dict = {}
+    work = []
+    for length in args.prompt_lengths:
+        work.append((f"prefill {length}", "prefill_tok_s", str(length), length, (ours, reference, length)))
+    for rows in sorted({1, args.batch_size}):
+        tokens = rows * args.decode_steps
+        work.append((f"decode batch {rows}", "decode_tok_s", str(rows), tokens, (ours, reference, rows)))
+    for label, metric, key, tokens, setup in work:
+        make = prefill_measures if metric == "prefill_tok_s" else decode_measures
+        measures = make(*setup) if make is prefill_measures else make(*setup, args.decode_steps)
+        runs = alternate(measures, args.repeats)
+        for side, seconds in runs.items():
+            results[names[side]][metric][key] = rates(tokens, seconds)
+        if THEIRS in runs:
+            speedup[label] = paired_ratios(runs[THEIRS], runs[OURS])  # time theirs / time ours
+        cells = [f"{names[side]} {fmt(results[names[side]][metric][key])} tok/s" for side in runs]
+        print(f"{label}: " + ", ".join(cells), flush=True)
+    return {name: r for name, r in results.items() if r["prefill_tok_s"]}, speedup
+
+
+def table(report: dict) -> str:
+    results = report["results"]
+    first = next(iter(results.values()))
+    columns = [("prefill_tok_s", k, f"prefill {k}") for k in first["prefill_tok_s"]]
+    columns += [("decode_tok_s", k, f"decode batch {k}") for k in first["decode_tok_s"]]
+    lines = [
+        "| tok/s, median (min-max) of "
+        + str(report["repeats"])
+        + " | "
+        + " | ".join(c[2] for c in columns)
+        + " |",
+        "| --- |" + " --- |" * len(columns),
+    ]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(fmt(r[m][k]) for m, k, _ in columns) + " |")
+    if report["speedup"]:
+        cells = [fmt(report["speedup"][label], 2, "x") for *_, label in columns]
+        lines.append("| speed-up (ours / transformers, per round) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def chart(report: dict, path: Path) -> None:
@@ -144,15 +307,20 @@ def chart(report: dict, path: Path) -> None:
         keys = list(report["results"][systems[0]][metric])
         width = 0.8 / len(systems)
         for i, system in enumerate(systems):
-            values = [report["results"][system][metric][k] for k in keys]
-            axis.bar([j + i * width for j in range(len(keys))], values, width, label=system)
+            cells = [report["results"][system][metric][k] for k in keys]
+            medians = [c["median"] for c in cells]
+            errors = [[c["median"] - c["min"] for c in cells], [c["max"] - c["median"] for c in cells]]
+            xs = [j + i * width for j in range(len(keys))]
+            axis.bar(xs, medians, width, yerr=errors, capsize=3, label=system)
         axis.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(keys))])
         label = "prompt tokens" if metric == "prefill_tok_s" else "batch"
         axis.set_xticklabels([f"{label} {k}" for k in keys])
-        axis.set_ylabel("tokens / s")
-        where = report["device"] if report["backend"] == "cuda" else f"{report['threads']} threads"
+        axis.set_ylabel(f"tokens / s (median, min-max of {report['repeats']})")
+        where = report["device"] if report["backend"] == "cuda" else f"{report['machine']['threads']} threads"
         axis.set_title(f"{title} ({report['dtype']}, {where})")
-    right.axhline(report["decode_roofline_tok_s"], color="k", linestyle="--", label="batch-1 roofline")
+    right.axhline(
+        report["decode_roofline_tok_s"]["median"], color="k", linestyle="--", label="batch-1 roofline"
+    )
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -162,64 +330,98 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: a random ~0.8B model)")
+    parser.add_argument("--model", help="checkpoint directory or Hub id (default: a random ~0.75B model)")
     parser.add_argument("--layers", type=int, default=24, help="layers of the random model (default 24)")
     parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batch-size", type=int, default=8, help="compiled batch (decode is also run at 1)")
     parser.add_argument("--prefill-chunk-size", type=int, default=256)
-    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
+    parser.add_argument(
+        "--compile-cache-dir",
+        type=Path,
+        help="compile cache to export into (default: a fresh temporary one, so the first export compiles)",
+    )
+    parser.add_argument(
+        "--export-loads", type=int, default=3, help="exports timed after the first (cache hits)"
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_generate.json")
     args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
     dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
+        phase = time.perf_counter()
         checkpoint = args.model or str(random_checkpoint(Path(tmp) / "model", args.layers, dtype))
-        start = time.perf_counter()
-        ours = NeuronQwen36ForCausalLM.from_pretrained(
-            checkpoint,
-            export=True,
-            backend=args.backend,
-            dtype=args.dtype,
-            batch_size=args.batch_size,
-            sequence_length=max(args.prompt_lengths) + args.decode_steps + 16,
-            prefill_chunk_size=args.prefill_chunk_size,
-        )
-        export_seconds = time.perf_counter() - start
+        phases = {"checkpoint_s": time.perf_counter() - phase}
+        phase = time.perf_counter()
+        ours, export_report = measure_export(checkpoint, args, Path(tmp))
+        phases["export_s"] = time.perf_counter() - phase
+        ours.generation_config.eos_token_id = None  # random weights: never stop early
         device = ours.backend.device
-        bandwidth = read_bandwidth_gbs(device)
-        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
-        per_token = weight_bytes_per_token(reference)
-        report = {
-            "model": args.model or f"random Qwen3.6-shaped, {args.layers} layers",
-            "parameters": sum(p.numel() for p in reference.parameters()),
-            "dtype": args.dtype,
-            "backend": args.backend,
-            "device": torch.cuda.get_device_name(device) if args.backend == "cuda" else "cpu",
-            "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-            "export_seconds_incl_compile_or_cache_hit": export_seconds,
-            "read_bandwidth_gb_s": bandwidth,
-            "weight_bytes_per_token": per_token,
-            "decode_roofline_tok_s": bandwidth * 1e9 / per_token,
-            "results": {
-                f"optimum-qwen36 {args.backend}": bench_ours(
-                    ours, args.prompt_lengths, args.batch_size, args.decode_steps
-                )
-            },
-        }
-        del ours
+        bandwidth = read_bandwidth_gbs(device, args.repeats)
+        per_token = weight_bytes_per_token(ours.model)
+        reference = None
         if not args.skip_transformers:
-            report["results"]["transformers eager"] = bench_transformers(
-                reference, args.prompt_lengths, args.batch_size, args.decode_steps
-            )
+            reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
+            reference.generation_config.eos_token_id = None
+        phase = time.perf_counter()
+        results, speedup = run_benchmarks(ours, reference, args)
+        phases["benchmarks_s"] = time.perf_counter() - phase
+        parameters = sum(p.numel() for p in ours.model.parameters())
+    report = {
+        "command": " ".join(
+            [f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"] * ("OMP_WAIT_POLICY" in os.environ)
+            + ["python", *sys.argv]
+        ),
+        "model": args.model or f"random Qwen3.6-shaped, {args.layers} layers",
+        "parameters": parameters,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "device": torch.cuda.get_device_name(device) if args.backend == "cuda" else "cpu",
+        "machine": machine(),
+        "transformers": transformers.__version__,
+        "transformers_attn_implementation": getattr(
+            getattr(reference, "config", None), "_attn_implementation", None
+        ),
+        "batch_size": args.batch_size,
+        "sequence_length": max(args.prompt_lengths) + args.decode_steps + 16,
+        "prefill_chunk_size": args.prefill_chunk_size,
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+        "work": {
+            "prefill": "one row of the same random token ids on both sides; ours generate(max_new_tokens=1), "
+            "transformers model(input_ids, logits_to_keep=1, use_cache=True)",
+            "logit_rows_per_prefill": {
+                str(n): {OURS: math.ceil(n / args.prefill_chunk_size), THEIRS: 1} for n in args.prompt_lengths
+            },
+            "decode": "generate(max_new_tokens=decode_steps + 1), greedy, no EOS, the same 16-token prompts "
+            "on both sides; rate = rows * decode_steps / (time of the last new token - time of the first)",
+        },
+        "export": export_report,
+        "read_bandwidth_gb_s": bandwidth,
+        "weight_bytes_per_token": per_token,
+        "decode_roofline_tok_s": {k: v * 1e9 / per_token for k, v in bandwidth.items() if k != "runs"},
+        "results": results,
+        "speedup": speedup,
+        "phase_seconds": {**phases, "total_s": time.perf_counter() - started},
+    }
+    ours_b1 = results[f"optimum-qwen36 {args.backend}"]["decode_tok_s"].get("1")
+    if ours_b1:
+        report["decode_batch1_fraction_of_roofline"] = (
+            ours_b1["median"] / report["decode_roofline_tok_s"]["median"]
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     chart(report, args.output.with_suffix(".png"))
-    print(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("results", "speedup")}, indent=2))
+    print(table(report))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

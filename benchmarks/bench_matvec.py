@@ -2,13 +2,15 @@
 cpu backend's one-row decode graph runs, optimum_qwen36/exporters/matvec.py), both compiled by Inductor.
 
 Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
-128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 662 MB in bf16, far more than the
+128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 663 MB in bf16, far more than the
 caches, so the weights come from memory as in a decode step), and the 248320 x 1024 output projection alone
-(508 MB). GB/s = weight bytes read / best time of 5, each way compiled by Inductor as one graph over all
-the weights (as in the exported step graphs). One row (batch-1 decode), and 8 rows, which F.linear reads
-once for all rows and the one-row form once per row.
+(508 MB). GB/s = weight bytes read / time of one call, each way compiled by Inductor as one graph over all
+the weights (as in the exported step graphs); --repeats runs after a warm-up, the two ways alternated run by
+run (same machine load), kept with min / median / max (the median is the headline figure). One row
+(batch-1 decode), and 8 rows, which F.linear reads once for all rows and the one-row form once per row.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py        # bf16, the machine's threads
+    python benchmarks/bench_matvec.py --layers 4 --skip-output-projection --repeats 3 --output /tmp/mv.json
 
 Writes benchmarks/results/bench_matvec.json.
 """
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_generate import best_time
+from timing import alternate, fmt, machine, paired_ratios, rates, wall
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear
 
@@ -37,20 +41,23 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([matrix_vector_linear(row, weight, None) for row in x.split(1)])
 
 
-def streaming_rates(weights: list[torch.Tensor], rows: int) -> dict[str, float]:
+def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     """GB/s of weights read by all of `weights` applied to `rows` rows, each way compiled as one graph (as in
     the exported step graphs, whose linears are ATen matrix products or, in decode_row, one-row sums)."""
     inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
     total = sum(w.numel() * w.element_size() for w in weights)
-    rates = {}
+    measures = {}
     for name, linear in (("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)):
 
         def apply_all(xs: list[torch.Tensor], ws: list[torch.Tensor], linear=linear) -> list[torch.Tensor]:
             return [linear(x, w) for x, w in zip(xs, ws, strict=True)]
 
         graph = torch.compile(apply_all)
-        rates[name] = total / best_time(lambda graph=graph: graph(inputs, weights), repeats=5) / 1e9
-    return rates
+        measures[name] = wall(lambda graph=graph: graph(inputs, weights))
+    runs = alternate(measures, repeats)
+    result = {name: rates(total / 1e9, seconds) for name, seconds in runs.items()}
+    result["matrix_vector_over_F.linear"] = paired_ratios(runs["F.linear"], runs["matrix_vector_linear"])
+    return result
 
 
 def main() -> None:
@@ -58,20 +65,50 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--layers", type=int, default=16, help="layers' projections (multiple of 4)")
+    parser.add_argument("--skip-output-projection", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_matvec.json")
     args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
+    if args.layers < 4 or args.layers % 4:
+        parser.error("--layers must be a positive multiple of 4 (3 GDN layers per attention layer)")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    layers = [torch.randn(*shape).to(dtype) for shape in LAYER_SHAPES * 4]
-    output_projection = [torch.randn(248320, 1024).to(dtype)]
-    report: dict = {"dtype": args.dtype, "threads": torch.get_num_threads(), "gb_per_s": {}}
-    for label, weights in (("16 layers' projections", layers), ("output projection", output_projection)):
+    sets = [
+        (
+            f"{args.layers} layers' projections",
+            [torch.randn(*s).to(dtype) for s in LAYER_SHAPES * (args.layers // 4)],
+        )
+    ]
+    if not args.skip_output_projection:
+        sets.append(("output projection", [torch.randn(248320, 1024).to(dtype)]))
+    report: dict = {
+        "command": " ".join(
+            [f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"] * ("OMP_WAIT_POLICY" in os.environ)
+            + ["python", *sys.argv]
+        ),
+        "dtype": args.dtype,
+        "machine": machine(),
+        "repeats": args.repeats,
+        "weight_bytes": {},
+        "gb_per_s": {},
+    }
+    for label, weights in sets:
+        report["weight_bytes"][label] = sum(w.numel() * w.element_size() for w in weights)
         for rows in (1, 8):
-            rates = streaming_rates(weights, rows)
-            report["gb_per_s"][f"{label}, {rows} row(s)"] = rates
-            print(f"{label:24s} rows={rows}: " + "  ".join(f"{k} {v:5.1f} GB/s" for k, v in rates.items()))
+            result = streaming_rates(weights, rows, args.repeats)
+            report["gb_per_s"][f"{label}, {rows} row(s)"] = result
+            print(
+                f"{label:24s} rows={rows}: "
+                + "  ".join(f"{k} {fmt(v)} GB/s" for k, v in result.items() if "_over_" not in k)
+                + f"  ratio {fmt(result['matrix_vector_over_F.linear'], 2, 'x')}",
+                flush=True,
+            )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
