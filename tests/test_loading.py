@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -184,3 +185,20 @@ def test_hub_id_is_downloaded_with_safetensors_patterns(tiny_checkpoint, monkeyp
     monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
     with pytest.raises(OSError, match="neither a local directory nor a Hub repository"):
         NeuronQwen36ForCausalLM.from_pretrained("someone/tiny-qwen36", export=True)
+
+
+@pytest.mark.parametrize(("flags", "warned"), [({"avx2", "fma"}, True), ({"avx2", "avx512_bf16"}, False)])
+def test_bf16_export_warns_on_a_cpu_without_bf16_matrix_instructions(
+    tiny_checkpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    flags: set,
+    warned: bool,
+) -> None:
+    from optimum_qwen36.exporters import artifact
+
+    path, _ = tiny_checkpoint("causal")
+    monkeypatch.setattr(artifact, "cpu_flags", lambda: flags)
+    with caplog.at_level(logging.WARNING):
+        export_eager(path, dtype="bfloat16", batch_size=1, sequence_length=64)
+    assert ("dtype='float32'" in caplog.text) is warned

@@ -96,5 +96,7 @@ def test_prefix_cache_reuse_at_16k_equals_the_cold_run(long_prompt: dict[str, An
     # The prompt (16K - 64 tokens, a multiple of the 64-token granularity) is reused but for its last
     # checkpoint interval: the last prompt token is always run, for its logits.
     assert out.cached_tokens.tolist() == [LENGTH - TAIL - 64]
-    assert torch.equal(first, cold)
-    assert torch.equal(warm, cold)  # fp32, 64-aligned chunks: bitwise the cold logits
+    # fp32: the same greedy tokens and logits within 1e-4 of the largest (bitwise equal on the machine this
+    # was written on; another summation order in another BLAS may differ in the last bits).
+    assert_close_to_largest(first, cold)
+    assert_close_to_largest(warm, cold)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -38,6 +39,12 @@ from .generation import (
 )
 from .qwen36 import Qwen36ForCausalLM
 from .weights import build_model, resolve_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# CPU extensions with bf16 matrix instructions; without one, ATen's bf16 matrix products fall back to a path
+# far slower than float32 (benchmarks/bench_matvec.py and bench_generate.py record the CPU's extensions).
+BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 
 # The output field holding the cache: `cache` in recent transformers (which still reads `past_key_values`).
 OUTPUT_CACHE_FIELD = (
@@ -181,6 +188,7 @@ class NeuronModelForCausalLM:
                 f"sequence_length={neuron_config.sequence_length} exceeds the model's "
                 f"max_position_embeddings={text_config.max_position_embeddings}."
             )
+        _warn_if_bf16_is_slow_here(neuron_config)
         model = build_model(
             text_config, checkpoint_dir, is_multimodal_layout(config), neuron_config.torch_dtype
         )
@@ -567,6 +575,19 @@ class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):
     """Qwen3.6 / Qwen3.5 hybrid models (transformers model_type `qwen3_5`, both checkpoint layouts)."""
 
     model_types = ("qwen3_5", "qwen3_5_text")
+
+
+def _warn_if_bf16_is_slow_here(neuron_config: Qwen36NeuronConfig) -> None:
+    flags = artifact.cpu_flags()
+    on_cpu = neuron_config.backend == "cpu" or (
+        neuron_config.backend == "eager" and not torch.cuda.is_available()
+    )
+    if neuron_config.dtype == "bfloat16" and on_cpu and flags and not flags & set(BF16_MATMUL_FLAGS):
+        logger.warning(
+            "This CPU has none of %s: bfloat16 matrix products run far slower here than float32. Export with "
+            "dtype='float32' (--dtype float32) unless memory requires bfloat16.",
+            ", ".join(BF16_MATMUL_FLAGS),
+        )
 
 
 def _generation_config(checkpoint_dir: str, config: PretrainedConfig) -> GenerationConfig:
