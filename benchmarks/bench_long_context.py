@@ -5,11 +5,13 @@ The chunked design has no prefix bucket: a prompt of any length is a series of p
 KV cache. Measured per chunk size, each on its own export (the chunk size is a compiled shape):
 - with the first chunk size, `--repeats` greedy generations of `--new-tokens` tokens: TTFT (the time to the
   first new token, min / median / max) and prefill tok/s; with the second, one (for its tokens);
-- memory: the KV cache + GDN state tensors (bytes), and the process's peak RSS.
+- memory: the KV cache + GDN state tensors (bytes), and the process's peak RSS so far (`peak_rss_bytes`:
+  it includes the compiles, and for the second chunk size everything before it, so it bounds, not measures,
+  what generation needs).
 Then: are the two runs' greedy tokens equal, and the largest |logit difference| between them (relative to the
 largest logit), float32 by default so that difference is rounding only.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_long_context.py          # ~20 min on 2 cores
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_long_context.py          # ~25 min on 2 cores
     python benchmarks/bench_long_context.py --length 4096 --chunk-sizes 512 1024 --repeats 1 \\
         --output /tmp/long.json                                               # a smoke run
 

@@ -13,8 +13,9 @@ generate() calls (hashing, lookup, checksums, block and checkpoint bookkeeping, 
 recorded per request. The chat replay feeds a conversation (system prompt, then user message /
 generated answer turns) to a model without prefix caching (cold) and to the cached one (warm), turn
 by turn, `--chat-repeats` times, and checks that both produce the same tokens. Exactness: in fp32,
-for each `--exactness-chunks` prefill chunk size, the logits of a repeated prompt (warm) against its
-first run (cold), max |difference| over every generated step.
+for each `--exactness-chunks` prefill chunk size, the logits of a prompt on a model without prefix
+caching (cold) against the same prompt's first and repeated (warm) runs on a cached model, max |difference|
+over every generated step.
 Every timing is kept run by run with min / median / max; the median is the headline figure. Writes
 JSON and a PNG chart, and prints a markdown table.
 """

@@ -101,9 +101,9 @@ def assert_greedy_matches_reference(
     ours: Any, reference: Any, rel_tol: float = 1e-4, what: str = "reference"
 ) -> None:
     """`ours` and `reference` are generate() outputs with `logits`. At every step, every row's logits are
-    within rel_tol of that step's largest |logit|, and the greedy tokens are equal, except after a
-    reference near-tie (its top two logits within the tolerance), where a row may legitimately diverge:
-    that row is compared up to and including the tie."""
+    within rel_tol of that step's largest |logit| (over the batch), and the greedy tokens are equal, except
+    after a reference near-tie (its top two logits within twice that tolerance: each side may be off by the
+    tolerance), where a row may legitimately diverge: that row is compared up to and including the tie."""
     prompt_width = ours.sequences.shape[1] - len(ours.logits)
     assert ours.sequences.shape == reference.sequences.shape
     torch.testing.assert_close(ours.sequences[:, :prompt_width], reference.sequences[:, :prompt_width])

@@ -5,13 +5,15 @@ optimum_qwen36/exporters/neuron.py):
 - `import torch_neuronx` works; `torch_neuronx.nki_op(name, mutates_args=...)` registers a custom op.
 - `torch.compile(fn, backend="neuron", ...)` is lazy: a graph is built on the first call with a new input
   signature (shapes, dtypes, devices, non-tensor values), then reused.
-- The runtime's compilation cache is created once per process, at the first build, and reads
+- The runtime's compilation cache is created once per process, at the first device work (here: moving a
+  module to the stand-in's device, `DEVICE`, or the first build), and reads
   TORCH_NEURONX_NEFF_CACHE_DIR (default /tmp/neff_cache; here a directory the test chooses) and
   TORCH_NEURONX_NEFF_DISABLE_CACHE then: later changes have no effect until `restart()` (a new process).
 - A graph's NEFF is looked up in memory, then at `<cache>/<k[:2]>/<k[2:4]>/<k>.neff` (k: a hash of the graph)
   and, on a miss, compiled and written there through a temporary file and a rename. A hit only reads.
 
-Nothing runs on a device: a built step runs the eager function, so the tests use device="cpu". The real
+Nothing runs on a device: a built step runs the eager function, so the tests use `DEVICE`, the CPU
+(moving a module there counts as device work). The real
 `optimum_qwen36.nki.neuron_ops` needs the real SDK; a stand-in module takes its place and, when it is
 imported, registers the same two ops through `torch_neuronx.nki_op`. `events` records all of it, in order.
 """
@@ -41,6 +43,7 @@ from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import (
 )
 
 NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+DEVICE = "cpu"
 DISABLE_CACHE_ENV = "TORCH_NEURONX_NEFF_DISABLE_CACHE"
 NEURON_OPS = "optimum_qwen36.nki.neuron_ops"
 OPS = ("optimum_qwen36::chunk_gated_delta_rule", "optimum_qwen36::fused_recurrent_gated_delta_rule")
@@ -72,6 +75,14 @@ class StandInNeuronSDK:
         (monkeypatch undoes it; call `restart()` at the end too, to drop the stand-in neuron_ops module)."""
         monkeypatch.setitem(sys.modules, "torch_neuronx", self.module)
         monkeypatch.setattr(torch, "compile", self.compile)
+        move = torch.nn.Module.to
+
+        def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            if DEVICE in (*map(str, args), str(kwargs.get("device"))):  # e.g. model.to(device)
+                self._runtime_cache_dir()  # the first device work starts the runtime
+            return move(module, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, "to", to)
         monkeypatch.setattr(sys, "meta_path", [_NeuronOpsFinder(self), *sys.meta_path])
 
     def restart(self) -> None:

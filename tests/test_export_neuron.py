@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import export_eager, left_padded_prompts
-from neuron_standin import NEFF_CACHE_ENV, NEURON_OPS, OPS, Build, StandInNeuronSDK
+from neuron_standin import DEVICE, NEFF_CACHE_ENV, NEURON_OPS, OPS, Build, StandInNeuronSDK
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36 import nki as nki_ops
@@ -39,8 +39,8 @@ def sdk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[StandInNeur
     new_process(standin, monkeypatch)
     monkeypatch.delenv("TORCH_NEURONX_NEFF_DISABLE_CACHE", raising=False)
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
-    # The stand-in's "device" is the CPU.
-    monkeypatch.setitem(neuron.NeuronBackend.__init__.__kwdefaults__, "device", "cpu")
+    # The stand-in's device is the CPU.
+    monkeypatch.setitem(neuron.NeuronBackend.__init__.__kwdefaults__, "device", DEVICE)
     yield standin
     standin.restart()  # drops the stand-in neuron_ops module
 
@@ -183,10 +183,27 @@ def test_neuron_work_before_the_model_is_reported(
     torch.compile(lambda x: x + 1, backend="neuron")(torch.ones(1))
     with caplog.at_level(logging.WARNING, logger=neuron.__name__):
         model = export(checkpoint)
-        model.save_pretrained(tmp_path / "saved")
     assert sdk.cache_dir == sdk.default_cache_dir  # where the steps' NEFFs went, out of the backend's sight
-    assert "wrote no NEFF" in caplog.text and "No NEFF to save" in caplog.text
-    assert artifact_neffs(tmp_path / "saved") == {}
+    assert "wrote no NEFF" in caplog.text
+    with pytest.raises(RuntimeError, match="no NEFF of its steps"):
+        model.save_pretrained(tmp_path / "saved")
+
+
+def test_saving_refuses_when_the_steps_neffs_were_already_in_the_users_cache(
+    checkpoint: Path, sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A shared cache that already holds the steps' NEFFs: the warm-up only reads them, and which of the
+    cache's files are this model's is unknown, so the save refuses rather than write an artifact that
+    would compile again at load."""
+    shared = tmp_path / "shared-neff-cache"
+    monkeypatch.setenv(NEFF_CACHE_ENV, str(shared))
+    export(checkpoint)
+    new_process(sdk, monkeypatch)
+    monkeypatch.setenv(NEFF_CACHE_ENV, str(shared))
+    model = export(checkpoint)
+    assert [b.outcome for b in sdk.builds[2:]] == ["persistent hit", "persistent hit"]
+    with pytest.raises(RuntimeError, match=NEFF_CACHE_ENV):
+        model.save_pretrained(tmp_path / "saved")
 
 
 def test_the_cache_variable_stays_where_the_runtime_read_it(
@@ -212,3 +229,20 @@ def test_neuron_ops_are_imported_before_tracing(
     module = nki_ops.load_neuron_ops()
     assert nki_ops._neuron_ops() is module  # once imported, the trace only looks it up
     assert sdk.events == [("import", NEURON_OPS)] + [("register", op) for op in OPS]
+
+
+def test_the_traced_step_only_looks_neuron_ops_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a real Dynamo trace (fullgraph, as the neuron backend compiles), the dispatch finds the
+    already imported ops module without a graph break."""
+    import types as module_types
+
+    ops = module_types.ModuleType(NEURON_OPS)
+    ops.scale = lambda x: x * 2
+    monkeypatch.setitem(sys.modules, NEURON_OPS, ops)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return nki_ops._neuron_ops().scale(x) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))

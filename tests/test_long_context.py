@@ -94,7 +94,7 @@ def test_prefix_cache_reuse_at_16k_equals_the_cold_run(long_prompt: dict[str, An
     assert out.cached_tokens.tolist() == [0]
     warm, out = tail_logits(model, sequence)
     # The prompt (16K - 64 tokens, a multiple of the 64-token granularity) is reused but for its last
-    # checkpoint interval: the last prompt token is always run, for its logits.
+    # 64-token granule: the last prompt token is always run for its logits, and checkpoints sit on granules.
     assert out.cached_tokens.tolist() == [LENGTH - TAIL - 64]
     # fp32: the same greedy tokens and logits within 1e-4 of the largest (bitwise equal on the machine this
     # was written on; another summation order in another BLAS may differ in the last bits).

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-# Measured on this project's 2-core AVX-512 machine (docs/EXPORT.md): `freezing` folds weights into derived
+# `freezing` folds weights into derived
 # constants (`_frozen_param*`) that can no longer be bound from the safetensors and gave no measurable
 # speed-up; max-autotune multiplies compile time. Plain Inductor with external weights is the default.
 # `always_keep_tensor_constants`: without it Inductor writes the *values* of 0-d and short 1-d weights

@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "OPTIMUM_QWEN36_CACHE"
 CACHE_REPO_ENV = "OPTIMUM_QWEN36_CACHE_REPO"
 ENTRY_NAME = "entry.json"
-# Fields that do not change the compiled code.
 # Settings the compiled graphs do not depend on: the source checkpoint (weights are bound at load) and
 # prefix caching (it only changes the number of KV blocks, a dynamic dimension of the graphs).
 _NEURON_CONFIG_IGNORED = (

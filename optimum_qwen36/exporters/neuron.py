@@ -167,8 +167,10 @@ class NeuronBackend:
         # Before the model moves to the device: the runtime reads the cache location at its first device work.
         self.neff_cache = process_neff_cache()
         self._neffs_before = self.neff_cache.neffs()
-        # NEFFs copied in from the artifact being loaded (its save() carries them on).
+        # NEFFs copied in from the artifact being loaded (its save() carries them on), and those this
+        # backend's warm-up compiled.
         self._carried: set[str] = set()
+        self._compiled: set[str] = set()
         if compiled_dir is not None:
             self._carried = self._copy_in(compiled_dir / NEURON_CACHE_DIR)
         from ..nki import load_neuron_ops
@@ -206,7 +208,8 @@ class NeuronBackend:
         examples = example_step_args(neuron_config, make_cache(self.device))
         for method in self._steps:  # decode_step at the full batch: the static batch it always runs
             self._run(method, examples[method])
-        if not self.neff_cache.neffs() - self._neffs_before and not self.neff_cache.written_here():
+        self._compiled = self.neff_cache.neffs() - self._neffs_before
+        if not self._compiled and not self.neff_cache.written_here():
             logger.warning(
                 "Compiling the neuron steps wrote no NEFF into %s (%s). Either the NEFFs were there before "
                 "this process (save_pretrained() carries only NEFFs written by this process), or the Neuron "
@@ -230,11 +233,10 @@ class NeuronBackend:
         return self._run("decode_step", args)
 
     def neffs(self) -> set[str]:
-        """The NEFFs a saved model carries: those of the loaded artifact and those compiled since this backend
-        started; when there are none (every step was already compiled in this process, so the runtime found
+        """The NEFFs a saved model carries: those of the loaded artifact and those this backend's warm-up
+        compiled; when there are none (every step was already compiled in this process, so the runtime found
         them in memory), all the NEFFs this process wrote, which include them."""
-        names = self._carried | (self.neff_cache.neffs() - self._neffs_before)
-        return names or self.neff_cache.written_here()
+        return (self._carried | self._compiled) or self.neff_cache.written_here()
 
     def save(self, directory: Path) -> None:
         target = directory / "compiled" / NEURON_CACHE_DIR
@@ -244,6 +246,12 @@ class NeuronBackend:
             return
         names = self.neffs()
         if not names:
-            logger.warning("No NEFF to save with the model: loading it will compile the neuron steps again.")
+            # Saving without them would give an artifact that compiles again at every load.
+            raise RuntimeError(
+                f"This process wrote no NEFF of its steps into the NEFF cache {source}: they were compiled "
+                f"into a cache that already held them ({NEFF_CACHE_ENV} pointing at a shared cache), or "
+                f"before this model was created (the runtime reads {NEFF_CACHE_ENV} once per process). "
+                f"Export in a fresh process, with {NEFF_CACHE_ENV} unset or pointing at an empty directory."
+            )
         for name in sorted(names):
             _copy_file(source / name, target / name)

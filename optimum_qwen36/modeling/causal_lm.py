@@ -579,9 +579,7 @@ class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):
 
 def _warn_if_bf16_is_slow_here(neuron_config: Qwen36NeuronConfig) -> None:
     flags = artifact.cpu_flags()
-    on_cpu = neuron_config.backend == "cpu" or (
-        neuron_config.backend == "eager" and not torch.cuda.is_available()
-    )
+    on_cpu = neuron_config.backend in ("cpu", "eager")  # the eager backend runs the model on the CPU
     if neuron_config.dtype == "bfloat16" and on_cpu and flags and not flags & set(BF16_MATMUL_FLAGS):
         logger.warning(
             "This CPU has none of %s: bfloat16 matrix products run far slower here than float32. Export with "
