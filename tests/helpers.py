@@ -37,6 +37,8 @@ class CountingBackend:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.name = backend.name
+        self.device = backend.device
+        self.decodes_any_batch = backend.decodes_any_batch
         self.prefill_tokens = 0
         self.decode_steps = 0
 
@@ -47,6 +49,9 @@ class CountingBackend:
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         self.decode_steps += 1
         return self.backend.decode_step(*args)
+
+    def save(self, directory: Path) -> None:
+        self.backend.save(directory)
 
 
 class StubHubRepo:

@@ -20,8 +20,8 @@ from helpers import StubHubRepo, left_padded_prompts
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
+from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters import artifact, backends
-from optimum_qwen36.exporters.aoti import CompiledGraph
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
@@ -145,6 +145,7 @@ def test_tampered_or_mismatched_artifacts_are_refused(exported, tmp_path: Path, 
     for field, value, error in (
         ("torch", "2.0.0", artifact.ArtifactVersionError),
         ("tp_degree", 2, artifact.ArtifactTopologyError),
+        ("format", 1, artifact.ArtifactVersionError),  # steps that took no GDN slots
     ):
         other = shutil.copytree(saved, tmp_path / field)
         manifest = json.loads((other / artifact.MANIFEST_NAME).read_text())
@@ -320,18 +321,19 @@ def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
         model.backend.graphs = graphs
 
 
-def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> None:
+def test_attention_reads_only_the_blocks_in_use(
+    exported, no_compilation, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The block table width is a dynamic dimension of the graphs: each step gets the KV blocks that hold
     its positions (64-token blocks here), not the whole compiled sequence_length, and generates the tokens
-    of transformers and of full-width tables (what graphs saved without that dimension are given)."""
+    of transformers and of full-width tables."""
     _, reference, _, model, _ = exported
-    assert model.backend.narrows_block_tables
     graphs = dict(model.backend.graphs)
     widths: list[tuple[str, int]] = []
 
     def recording(method: str):
         def run(*args: torch.Tensor) -> torch.Tensor:
-            widths.append((method, args[4 if method == "prefill_chunk" else 2].shape[-1]))
+            widths.append((method, args[4 if method == "prefill_chunk" else 3].shape[-1]))
             return graphs[method](*args)
 
         return run
@@ -342,11 +344,11 @@ def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> Non
     try:
         narrow = model.generate(prompt, **kwargs)
         narrow_widths = widths[:]
-        model.backend.narrows_block_tables = False
-        full = model.generate(prompt, **kwargs)
+        with monkeypatch.context() as full_width:
+            full_width.setattr(backends, "blocks_in_use", lambda method, args: args)
+            full = model.generate(prompt, **kwargs)
     finally:
         model.backend.graphs = graphs
-        model.backend.narrows_block_tables = True
     # prefill: 4 chunks of 16 within block 0; decode: positions 60..63 in block 0, then 64..68 reach block 1
     assert narrow_widths == [("prefill_chunk", 1)] * 4 + [("decode_row", 1)] * 4 + [("decode_row", 2)] * 5
     assert {width for _, width in widths[len(narrow_widths) :]} == {2}  # the compiled sequence_length
@@ -357,12 +359,41 @@ def test_attention_reads_only_the_blocks_in_use(exported, no_compilation) -> Non
     assert torch.equal(narrow.sequences, hf)
 
 
-def test_graphs_saved_without_a_dynamic_table_width_get_full_tables(
-    exported, monkeypatch: pytest.MonkeyPatch, no_compilation
-) -> None:
-    """Graphs whose package metadata does not say the table width is dynamic (artifacts saved before it
-    was) are handed full-width tables."""
-    saved = exported[4]
-    assert NeuronQwen36ForCausalLM.from_pretrained(saved).backend.narrows_block_tables
-    monkeypatch.setattr(CompiledGraph, "metadata", property(lambda graph: {}))
-    assert not NeuronQwen36ForCausalLM.from_pretrained(saved).backend.narrows_block_tables
+def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) -> None:
+    """Continuous batching on the compiled graphs: a request takes the slot another one freed, so decode
+    steps pass slots out of order ([1, 0]) and one-row steps run slot 1 alone; every request gets
+    the tokens of its solo run on eager, their log-probabilities within 1e-4."""
+    checkpoint, _, _, model, _ = exported
+    eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
+    graphs = dict(model.backend.graphs)
+    slots_seen: list[list[int]] = []
+
+    def recording(graph: str):
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            if graph != "prefill_chunk":
+                slots_seen.append(args[2].tolist())
+            return graphs[graph](*args)
+
+        return run
+
+    prompts = [left_padded_prompts([n], seed=s)[0][0].tolist() for n, s in ((21, 1), (5, 2), (40, 3))]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 20, 8)]
+    model.backend.graphs = {graph: recording(graph) for graph in graphs}
+    try:
+        engine = model.create_engine()
+        held = [engine.request(engine.add_request(prompts[i], params[i])) for i in range(2)]
+        while len(held[0].output_ids) < 6:
+            engine.step()
+        held.append(engine.request(engine.add_request(prompts[2], params[2])))
+        engine.run()
+    finally:
+        model.backend.graphs = graphs
+    assert [1, 0] in slots_seen and [1] in slots_seen, slots_seen
+    for request, prompt, setting in zip(held, prompts, params, strict=True):
+        alone = eager.create_engine()
+        request_id = alone.add_request(prompt, setting)
+        reference = alone.run()[request_id]
+        assert reference.output_ids == request.output_ids
+        torch.testing.assert_close(
+            torch.tensor(request.output_logprobs), torch.tensor(reference.output_logprobs), atol=1e-4, rtol=0
+        )

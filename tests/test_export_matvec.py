@@ -58,24 +58,22 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     assert _linear_calls(rows) == 0
 
 
-@pytest.mark.parametrize("graphs", [("decode_row", "decode_step"), ("decode_step",)])
-def test_one_row_runs_decode_row_when_the_artifact_has_it(graphs: tuple[str, ...]) -> None:
-    """Artifacts saved before decode_row existed have only decode_step (1..batch rows): it runs every step."""
+def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from optimum_qwen36.exporters import backends
+
+    monkeypatch.setattr(backends, "blocks_in_use", lambda method, args: args)
     backend = AOTIBackend.__new__(AOTIBackend)
-    backend.device, backend.narrows_block_tables = "cpu", False
+    backend.device = "cpu"
     ran: list[tuple[str, int]] = []
     backend.graphs = {
         graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)
-        for graph in ("prefill_chunk", *graphs)
+        for graph in ("prefill_chunk", "decode_row", "decode_step")
     }
     for rows in (1, 2):
         backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
-    one_row = "decode_row" if "decode_row" in graphs else "decode_step"
-    assert ran == [(one_row, 1), ("decode_step", 2)]
+    assert ran == [("decode_row", 1), ("decode_step", 2)]
 
 
 def test_a_compiled_directory_without_its_graphs_is_refused(tmp_path) -> None:
-    with pytest.raises(
-        FileNotFoundError, match=r"prefill_chunk\.pt2 and decode_row\.pt2 or decode_step\.pt2"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"needed: prefill_chunk\.pt2, decode_row\.pt2"):
         AOTIBackend(tmp_path, {}, "cpu")

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 MANIFEST_NAME = "export_manifest.json"
-MANIFEST_FORMAT = 1
+# 2: decode steps take each row's GDN state slot (format 1's graphs do not).
+MANIFEST_FORMAT = 2
 # SIMD extensions compiled CPU code may use. Inductor builds with -march=native, so a graph compiled on one
 # CPU may execute any of the builder's extensions: the loading CPU must have them all.
 ISA_FLAGS = (
@@ -190,8 +191,9 @@ def check_environment(manifest: dict[str, Any], backend: str, tp_degree: int) ->
     """Refuse an artifact built for another backend, tp degree, software version or CPU ISA."""
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactVersionError(
-            f"Manifest format {manifest.get('format')!r} is not {MANIFEST_FORMAT}: re-export the model with "
-            "this version of optimum-qwen36."
+            f"The artifact was saved by another version of optimum-qwen36 (manifest format "
+            f"{manifest.get('format')!r}; this version reads format {MANIFEST_FORMAT}, whose compiled steps "
+            "take other arguments): re-export the model with this version."
         )
     if manifest["backend"] != backend:
         raise ArtifactTopologyError(

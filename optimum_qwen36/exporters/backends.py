@@ -34,14 +34,10 @@ logger = logging.getLogger(__name__)
 COMPILED_DIR = "compiled"
 # The graphs of the cpu/cuda backend and the model method each one runs. A one-row decode step has its own
 # graph: on cpu its linear layers are traced as matrix-vector products (matvec.py), which stream the weights
-# faster than the matrix-matrix kernels the other steps keep. Artifacts saved before it existed have no
-# decode_row: their decode_step graph (1..batch rows) runs every decode step.
+# faster than the matrix-matrix kernels decode_step (2..batch rows) keeps.
 GRAPH_METHODS = {"prefill_chunk": "prefill_chunk", "decode_row": "decode_step", "decode_step": "decode_step"}
 # Tensors a graph needs that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
-# Package metadata of graphs whose block table width is dynamic. Graphs saved before that change lack it
-# and are still run, with full-width tables.
-ANY_TABLE_WIDTH = {"optimum_qwen36.block_table_width": "dynamic"}
 
 
 # Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device.
@@ -51,7 +47,7 @@ CacheFactory = Callable[[str], Qwen36HybridCache]
 def example_step_args(
     neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Arguments of the shapes `generate()` passes, for tracing each graph (decode_step: the full batch)."""
+    """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch)."""
     chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
     device = cache.key_cache.device
 
@@ -69,10 +65,11 @@ def example_step_args(
     decode = (
         torch.zeros((batch, 1), dtype=torch.long, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),
+        torch.arange(batch, device=device),
         cache.block_tables.clone(),
         *cache.step_tensors(),
     )
-    row = (decode[0][:1], decode[1][:1], decode[2][:1], *decode[3:])
+    row = (*(a[:1] for a in decode[:4]), *decode[4:])
     return {"prefill_chunk": prefill, "decode_row": row, "decode_step": decode}
 
 
@@ -87,18 +84,19 @@ def step_dynamic_shapes(graph: str, args: tuple[torch.Tensor, ...]) -> tuple[Any
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
       compiled sequence_length;
-    - decode_step's batch (input_ids, positions, block_tables), 2..batch rows, so only the active rows are
-      computed (one row runs decode_row).
+    - decode_step's batch (input_ids, positions, slots, block_tables), 2..batch rows, so only the active
+      rows are computed (one row runs decode_row).
     An example size of 1 would be specialised: such a dimension stays static."""
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     kv = ({1: blocks}, {1: blocks}, None, None)
-    max_blocks, slots = args[-5].shape[-1], args[-1].shape[1]  # block table(s) come before the caches
+    max_blocks, rows = args[-5].shape[-1], args[0].shape[0]  # block table(s) come before the caches
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    batch = torch.export.Dim("batch", min=2, max=slots) if graph == "decode_step" and slots > 2 else None
+    batch = torch.export.Dim("batch", min=2, max=rows) if graph == "decode_step" and rows > 2 else None
     if graph == "prefill_chunk":  # input_ids, start_pos, num_valid, slot, block_table [max_blocks]
         return (None, None, None, None, _dynamic({0: width}), *kv)
-    # decode: input_ids [B, 1], positions [B], block_tables [B, max_blocks]
-    return (_dynamic({0: batch}), _dynamic({0: batch}), _dynamic({0: batch, 1: width}), *kv)
+    # decode: input_ids [B, 1], positions [B], slots [B], block_tables [B, max_blocks]
+    rows_dim = _dynamic({0: batch})
+    return (rows_dim, rows_dim, rows_dim, _dynamic({0: batch, 1: width}), *kv)
 
 
 def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
@@ -125,22 +123,18 @@ class AOTIBackend:
         extra = files_dir / EXTRA_CONSTANTS
         constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
         present = [graph for graph in GRAPH_METHODS if (files_dir / f"{graph}.pt2").is_file()]
-        if "prefill_chunk" not in present or present == ["prefill_chunk"]:
+        if not {"prefill_chunk", "decode_row"} <= set(present):
             raise FileNotFoundError(
-                f"{files_dir} lacks compiled graphs (found: {present or 'none'}; needed: prefill_chunk.pt2 "
-                "and decode_row.pt2 or decode_step.pt2). Re-export the model with "
+                f"{files_dir} lacks compiled graphs (found: {present or 'none'}; needed: prefill_chunk.pt2, "
+                "decode_row.pt2 and, for a batch above 1, decode_step.pt2). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
         self.graphs = {
             graph: CompiledGraph(files_dir / f"{graph}.pt2", constants, device) for graph in present
         }
-        self.narrows_block_tables = all(
-            ANY_TABLE_WIDTH.items() <= graph.metadata.items() for graph in self.graphs.values()
-        )
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if self.narrows_block_tables:
-            args = blocks_in_use(method, args)
+        args = blocks_in_use(method, args)
         if self.device != "cpu":
             args = tuple(a.to(self.device, non_blocking=True) for a in args)
         return self.graphs[method](*args).cpu()
@@ -149,8 +143,7 @@ class AOTIBackend:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        one_row = args[0].shape[0] == 1 and "decode_row" in self.graphs
-        return self._run("decode_row" if one_row else "decode_step", args)
+        return self._run("decode_row" if args[0].shape[0] == 1 else "decode_step", args)
 
     def save(self, directory: Path) -> None:
         target = directory / COMPILED_DIR
@@ -223,7 +216,6 @@ def _compile_graphs(
             args,
             out_dir / f"{graph}.pt2",
             dynamic_shapes=step_dynamic_shapes(graph, args),
-            inductor_configs={"aot_inductor.metadata": ANY_TABLE_WIDTH},
             tracing_mode=MatrixVectorLinears() if matrix_vector_rows and graph == "decode_row" else None,
         )
         extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})

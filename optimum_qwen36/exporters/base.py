@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -13,12 +14,17 @@ class StepBackend(Protocol):
     """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results)."""
 
     name: str
+    # Where the cache tensors must live (the steps update them in place there).
+    device: str
     # Whether decode_step accepts fewer rows than the exported batch (else callers pad to the full batch).
     decodes_any_batch: bool
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
+
+    def save(self, directory: Path) -> None:
+        """Write what a saved model needs to run this backend without compiling (under directory)."""
 
 
 def blocks_in_use(method: str, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -30,9 +36,9 @@ def blocks_in_use(method: str, args: tuple[torch.Tensor, ...]) -> tuple[torch.Te
         input_ids, start_pos, num_valid, slot, block_table, *caches = args
         used = -(-(int(start_pos) + int(num_valid)) // block_size)
         return (input_ids, start_pos, num_valid, slot, block_table[:used], *caches)
-    input_ids, positions, block_tables, *caches = args
+    input_ids, positions, slots, block_tables, *caches = args
     used = int(positions.max()) // block_size + 1
-    return (input_ids, positions, block_tables[:, :used].contiguous(), *caches)
+    return (input_ids, positions, slots, block_tables[:, :used].contiguous(), *caches)
 
 
 class EagerBackend:
@@ -43,6 +49,7 @@ class EagerBackend:
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model
+        self.device = str(next(model.parameters()).device)
 
     @torch.no_grad()
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
@@ -51,3 +58,6 @@ class EagerBackend:
     @torch.no_grad()
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(*blocks_in_use("decode_step", args))
+
+    def save(self, directory: Path) -> None:
+        """Nothing compiled: the weights and settings the model saves are all it needs."""

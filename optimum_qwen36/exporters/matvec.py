@@ -4,9 +4,8 @@ ATen runs a one-row bf16 `F.linear` through oneDNN's matrix-matrix kernels, whic
 GB/s on this project's 2-core machine. Written as a multiply-and-sum over the weight's rows, Inductor compiles
 it to one vectorised pass that streams the weight at 21-32 GB/s (float32 accumulation, as before;
 benchmarks/bench_matvec.py). A decode step reads every weight once, so its time follows that rate
-(docs/EXPORT.md, section 1c). With more than
-one row, the matrix-matrix kernels read each weight once for all rows and stay faster: the mode leaves those
-alone.
+(docs/EXPORT.md, section 1c). The batched decode graph keeps `F.linear`: its row count is dynamic, and
+the reduction over a dynamic number of rows is compiled to read each weight once per row.
 """
 
 from __future__ import annotations

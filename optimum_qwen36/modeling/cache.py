@@ -19,8 +19,9 @@ class Qwen36HybridCache(Cache):
 
     - `key_cache`, `value_cache`: [n_attention_layers, num_blocks, block_size, n_kv_heads, head_dim]; row b's
       position p lives in block `block_tables[b, p // block_size]`. Block 0 is the null block.
-    - `conv_state`: [n_gdn_layers, batch_size, conv_dim, conv_kernel - 1] in the model dtype.
-    - `recurrent_state`: [n_gdn_layers, batch_size, HV, K, V], float32.
+    - `conv_state`: [n_gdn_layers, batch_size + 1, conv_dim, conv_kernel - 1] in the model dtype.
+    - `recurrent_state`: [n_gdn_layers, batch_size + 1, HV, K, V], float32. Slot `scratch_slot`
+      (= batch_size) belongs to no row: a static-batch backend decodes its padding rows there.
     - `seq_lens[b]`: tokens of row b whose effect the cache holds; `token_ids[b, :seq_lens[b]]` are those
       tokens, so a continuation can be checked against them.
     """
@@ -52,13 +53,15 @@ class Qwen36HybridCache(Cache):
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
             config.linear_num_value_heads * config.linear_value_head_dim
         )
+        self.scratch_slot = batch_size
+        slots = batch_size + 1
         self.conv_state = torch.zeros(
-            (n_gdn, batch_size, conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
+            (n_gdn, slots, conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
         )
         self.recurrent_state = torch.zeros(
             (
                 n_gdn,
-                batch_size,
+                slots,
                 config.linear_num_value_heads,
                 config.linear_key_head_dim,
                 config.linear_value_head_dim,
@@ -111,10 +114,10 @@ class Qwen36HybridCache(Cache):
         return self._group_index[layer_idx]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.conv_state[self._gdn_group(layer_idx)]
+        return self.conv_state[self._gdn_group(layer_idx), : self.batch_size]
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.recurrent_state[self._gdn_group(layer_idx)]
+        return self.recurrent_state[self._gdn_group(layer_idx), : self.batch_size]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The longest row's cached length (rows are not padded inside the cache)."""
@@ -175,7 +178,7 @@ class Qwen36HybridCache(Cache):
         for cache in (self.key_cache, self.value_cache):
             cache[:, tables.reshape(-1)] = cache[:, src_tables.reshape(-1)].clone()
         for state in (self.conv_state, self.recurrent_state):
-            state.copy_(state[:, beam_idx.to(state.device)])
+            state[:, : self.batch_size] = state[:, beam_idx.to(state.device)]
         self.seq_lens = self.seq_lens[beam_idx]
         self.token_ids = self.token_ids[beam_idx]
 

@@ -18,13 +18,15 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..engine import Engine
+from ..engine.prefix_run import PrefixCachedRun
+from ..engine.runner import ModelRunner
 from ..exporters import artifact
 from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
-from ..prefix_caching import PrefixCache
-from ..prefix_caching.runtime import PrefixCachedRun, build_prefix_cache
+from ..prefix_caching import PrefixCache, build_prefix_cache
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 from ..tokenizer import has_tokenizer_files
 from .cache import Qwen36HybridCache
@@ -32,6 +34,7 @@ from .config import is_multimodal_layout, load_config, text_config_of
 from .generation import (
     build_logits_processors,
     build_stopping_criteria,
+    eos_token_ids,
     max_new_tokens_of,
     pads_finished_rows,
     prepare_generation_config,
@@ -271,8 +274,7 @@ class NeuronModelForCausalLM:
         self.generation_config.save_pretrained(save_directory)
         self._save_weights(save_directory)
         self._save_tokenizer(save_directory)
-        if hasattr(self.backend, "save"):
-            self.backend.save(Path(save_directory))
+        self.backend.save(Path(save_directory))
         artifact.write_model_card(save_directory, self.neuron_config)
         # Last: it hashes every file written above.
         artifact.write_manifest(save_directory, self.neuron_config.backend, self.neuron_config.tp_degree)
@@ -320,11 +322,14 @@ class NeuronModelForCausalLM:
     # ------------------------------------------------------------------ generation
     def new_cache(self) -> Qwen36HybridCache:
         # Compiled backends keep the cache on their device (cpu, cuda, neuron), where it is updated in place.
-        return self.cache_for(self.config, self.neuron_config, getattr(self.backend, "device", "cpu"))
+        return self.cache_for(self.config, self.neuron_config, self.backend.device)
 
     @staticmethod
-    def cache_for(config: PretrainedConfig, nc: Qwen36NeuronConfig, device: str = "cpu") -> Qwen36HybridCache:
-        """The cache generate() uses; compiled graphs are traced with its shapes."""
+    def cache_for(
+        config: PretrainedConfig, nc: Qwen36NeuronConfig, device: str = "cpu", num_blocks: int | None = None
+    ) -> Qwen36HybridCache:
+        """The cache generate() uses; compiled graphs are traced with its shapes (the KV block count is a
+        dynamic dimension: `num_blocks` changes nothing compiled)."""
         # Prefix caching: as many blocks again as the rows own, for the cached prefixes.
         blocks = 1 + 2 * nc.batch_size * nc.max_blocks_per_sequence if nc.prefix_caching else None
         return Qwen36HybridCache(
@@ -334,7 +339,35 @@ class NeuronModelForCausalLM:
             nc.kv_block_size,
             nc.torch_dtype,
             device=device,
-            num_blocks=blocks,
+            num_blocks=num_blocks or blocks,
+        )
+
+    def create_engine(
+        self,
+        *,
+        max_num_batched_tokens: int | None = None,
+        num_kv_blocks: int | None = None,
+        tokenizer: Any = None,
+    ) -> Engine:
+        """A continuous-batching engine over this model's backend (`optimum_qwen36.engine.Engine`): up to
+        `batch_size` requests run at once, each with its own GDN slot, their KV blocks from one pool shared
+        with prefix caching (when the model was exported with `prefix_caching=True`). The engine has its
+        own cache, of `num_kv_blocks` blocks (default: as generate()'s). `tokenizer` enables text deltas and
+        stop strings."""
+        device = self.backend.device
+        cache = self.cache_for(self.config, self.neuron_config, device, num_blocks=num_kv_blocks)
+        settings = self.neuron_config
+        if not settings.prefix_caching:  # the pool still hands out blocks; it caches none
+            settings = dataclasses.replace(settings, prefix_cache_bytes=0)
+        return Engine(
+            self.backend,
+            cache,
+            build_prefix_cache(cache, settings, self.config),
+            prefill_chunk_size=self.neuron_config.prefill_chunk_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=eos_token_ids(self.generation_config),
+            vocab_size=self.config.vocab_size,
+            tokenizer=tokenizer,
         )
 
     def generate(
@@ -384,12 +417,13 @@ class NeuronModelForCausalLM:
         if streamer is not None:
             streamer.put(input_ids)
 
-        run = self._start_prefix_run(cache)
+        runner = ModelRunner(self.backend, cache, self.neuron_config.prefill_chunk_size)
+        run = PrefixCachedRun(self.prefix_cache, runner) if self.prefix_cache is not None else None
         sequences = input_ids
         raw_logits: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
         try:
-            logits = run.prefill(rows) if run else self._prefill(rows, cache)
+            logits = run.prefill(rows) if run else self._prefill(rows, runner)
             unfinished = torch.ones(len(rows), dtype=torch.bool)
             for step in range(max_new_tokens):
                 processed = processors(sequences, logits)
@@ -408,7 +442,7 @@ class NeuronModelForCausalLM:
                     break
                 if run:
                     run.before_decode(next_tokens, unfinished)
-                logits = self._decode(next_tokens, cache)
+                logits = self._decode(next_tokens, runner)
                 if run:
                     run.after_decode()
         except BaseException:
@@ -522,53 +556,32 @@ class NeuronModelForCausalLM:
                 )
         return cache
 
-    def _start_prefix_run(self, cache: Qwen36HybridCache) -> PrefixCachedRun | None:
-        """The prefix-cached rows of this call, or None without prefix caching."""
-        if self.prefix_cache is None:
-            return None
-        return PrefixCachedRun(self.prefix_cache, cache, self.backend, self.neuron_config.prefill_chunk_size)
-
-    def _prefill(self, rows: list[torch.Tensor], cache: Qwen36HybridCache) -> torch.Tensor:
-        """Run each row's uncached tokens in chunks; returns the logits after each row's last token."""
-        chunk = self.neuron_config.prefill_chunk_size
+    @staticmethod
+    def _prefill(rows: list[torch.Tensor], runner: ModelRunner) -> torch.Tensor:
+        """Run each row's uncached tokens in chunks (row b in GDN slot b); returns the logits after each
+        row's last token."""
+        cache, chunk = runner.cache, runner.prefill_chunk_size
         last_logits = []
         for row, tokens in enumerate(rows):
             start = int(cache.seq_lens[row])
             if start == 0:
-                # A fresh row starts from zero GDN state, whatever the slot held before.
-                cache.conv_state[:, row].zero_()
-                cache.recurrent_state[:, row].zero_()
+                runner.reset_slot(row)
             for begin in range(start, len(tokens), chunk):
                 piece = tokens[begin : begin + chunk]
-                padded = torch.zeros((1, chunk), dtype=torch.long)
-                padded[0, : len(piece)] = piece
-                logits = self.backend.prefill_chunk(
-                    padded,
-                    torch.tensor(begin),
-                    torch.tensor(len(piece)),
-                    torch.tensor(row),
-                    cache.block_tables[row],
-                    *cache.step_tensors(),
-                )
+                logits = runner.prefill(piece, begin, row, cache.block_tables[row])
                 cache.record_tokens(row, piece)
             last_logits.append(logits)
         return torch.cat(last_logits, dim=0)
 
-    def _decode(self, tokens: torch.Tensor, cache: Qwen36HybridCache) -> torch.Tensor:
-        """Feed one token per row. Backends with a static batch also run the rows beyond the caller's batch,
-        on a dummy token, and those are discarded."""
-        batch = tokens.shape[0]
-        rows = batch if getattr(self.backend, "decodes_any_batch", False) else self.neuron_config.batch_size
-        input_ids = torch.zeros((rows, 1), dtype=torch.long)
-        input_ids[:batch, 0] = tokens
-        positions = cache.seq_lens[:rows].clone()
-        positions[batch:] = 0
-        logits = self.backend.decode_step(
-            input_ids, positions, cache.block_tables[:rows], *cache.step_tensors()
-        )
+    @staticmethod
+    def _decode(tokens: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
+        """Feed one token per row; row b is in GDN slot b."""
+        cache, batch = runner.cache, tokens.shape[0]
+        tables = cache.block_tables[:batch]
+        logits = runner.decode(tokens, cache.seq_lens[:batch], torch.arange(batch), tables)
         for row in range(batch):
             cache.record_tokens(row, tokens[row : row + 1])
-        return logits[:batch]
+        return logits
 
 
 class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):

@@ -5,7 +5,8 @@ Two entry points, both with static shapes and the cache tensors passed in and up
 
 - `prefill_chunk`: C tokens of one sequence starting at any position (the last chunk of a prompt is
   right-padded; `num_valid` says how many tokens are real).
-- `decode_step`: one token for each of the B rows, each row at its own position.
+- `decode_step`: one token for each of the B rows, each row at its own position and in its own GDN state
+  slot, so any subset of the cache's slots decodes together.
 
 Attention KV is paged: `key_cache`/`value_cache` are [n_attention_layers, num_blocks, block_size, n_kv_heads,
 head_dim] and a row's positions map to blocks through its block table. Block 0 is the null block: writes of
@@ -14,6 +15,8 @@ padding positions land there and it is never read as valid. GDN layers keep, per
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,29 @@ from ..nki import (
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one step reads, built once per step by the entry point.
+
+    Attention: rotary cos / sin [B, T, rot], the flat cache slot each new K/V goes to [B, T], the rows'
+    block tables [B, max_blocks] and the mask [B, T, S] of the keys each query sees. GDN: the state slot of
+    each row [B]; for a prefill chunk also which of its positions are real (`valid` [1, C]) and how many
+    (`num_valid`), None for a decode step. Then the four cache tensors, updated in place."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_slots: torch.Tensor
+    block_tables: torch.Tensor
+    attend: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor | None
+    num_valid: torch.Tensor | None
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
 
 
 class Qwen36RMSNorm(nn.Module):
@@ -104,22 +130,11 @@ class Qwen36Attention(nn.Module):
         self.q_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        write_slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        attend: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        cache_idx: int,
-    ) -> torch.Tensor:
-        """hidden [B, T, hidden]; write_slots [B, T] flat cache slots for this step's K/V;
-        block_tables [B, max_blocks]; attend [B, T, S] bool, S = max_blocks * block_size;
-        key_cache/value_cache: the whole caches [n_attention_layers, num_blocks, block_size, kv_heads,
-        head_dim]; this layer's entry `cache_idx` is updated in place."""
+    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: int) -> torch.Tensor:
+        """hidden [B, T, hidden]. Writes this step's K/V into attention cache entry `cache_idx` at
+        `step.write_slots`, then attends over each row's blocks (`step.block_tables`, `step.attend`)."""
+        cos, sin, write_slots, block_tables = step.cos, step.sin, step.write_slots, step.block_tables
+        key_cache, value_cache = step.key_cache, step.value_cache
         batch, seq, _ = hidden.shape
         query, gate = self.q_proj(hidden).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = apply_partial_rotary(self.q_norm(query), cos, sin)
@@ -140,7 +155,7 @@ class Qwen36Attention(nn.Module):
             query.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=attend.unsqueeze(1),
+            attn_mask=step.attend.unsqueeze(1),
             scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
@@ -193,6 +208,23 @@ class Qwen36GatedDeltaNet(nn.Module):
         z = z.reshape(batch, seq, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(core, z).reshape(batch, seq, self.value_dim))
 
+    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: int) -> torch.Tensor:
+        """hidden [B, T, hidden]: a prefill chunk (B = 1) or a decode step (T = 1). Reads the states of the
+        rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
+        conv_state = step.conv_state[cache_idx].index_select(0, step.slots)
+        recurrent_state = step.recurrent_state[cache_idx].index_select(0, step.slots)
+        if step.valid is None:
+            out, new_conv, new_recurrent = self.decode(hidden, conv_state, recurrent_state)
+        else:
+            out, new_conv, new_recurrent = self.prefill(
+                hidden, step.valid, step.num_valid, conv_state, recurrent_state
+            )
+        # One index_put_ on each whole state tensor: compiled backends update it in place only in this form.
+        index = (torch.full_like(step.slots, cache_idx), step.slots)
+        step.conv_state.index_put_(index, new_conv.to(step.conv_state.dtype))
+        step.recurrent_state.index_put_(index, new_recurrent)
+        return out
+
     def prefill(
         self,
         hidden: torch.Tensor,
@@ -225,7 +257,7 @@ class Qwen36GatedDeltaNet(nn.Module):
     def decode(
         self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [B, 1, hidden], states of slots 0..B-1. Returns the output and the new states."""
+        """hidden [B, 1, hidden], the states of the rows' slots. Returns the output and the new states."""
         mixed, z, beta, g = self._project(hidden)
         mixed, new_conv_state = causal_conv1d_update(
             mixed, conv_state, self.conv1d.weight.squeeze(1), activation="silu"
@@ -239,9 +271,13 @@ class Qwen36GatedDeltaNet(nn.Module):
 
 
 class Qwen36DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_type: str) -> None:
+    """A token mixer (GDN or gated attention) and the MLP, each with its pre-norm and residual.
+    `cache_idx` is the layer's entry in its kind's cache tensors (n-th GDN layer, n-th attention layer)."""
+
+    def __init__(self, config: PretrainedConfig, layer_type: str, cache_idx: int) -> None:
         super().__init__()
         self.layer_type = layer_type
+        self.cache_idx = cache_idx
         if layer_type == LINEAR_ATTENTION:
             self.linear_attn = Qwen36GatedDeltaNet(config)
         else:
@@ -250,8 +286,9 @@ class Qwen36DecoderLayer(nn.Module):
         self.input_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def feed_forward(self, hidden: torch.Tensor, mixer_out: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + mixer_out
+    def forward(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        mixer = self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
+        hidden = hidden + mixer(self.input_layernorm(hidden), step, self.cache_idx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -259,7 +296,12 @@ class Qwen36TextModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen36DecoderLayer(config, t) for t in config.layer_types)
+        counts = {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
+        layers = []
+        for layer_type in config.layer_types:
+            layers.append(Qwen36DecoderLayer(config, layer_type, counts[layer_type]))
+            counts[layer_type] += 1
+        self.layers = nn.ModuleList(layers)
         self.norm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
@@ -274,12 +316,6 @@ class Qwen36ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
-        # Per layer, its index among the attention layers or among the GDN layers (the cache's first dim).
-        self.cache_index = []
-        counts = {LINEAR_ATTENTION: 0, FULL_ATTENTION: 0}
-        for layer_type in config.layer_types:
-            self.cache_index.append(counts[layer_type])
-            counts[layer_type] += 1
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:
@@ -301,6 +337,11 @@ class Qwen36ForCausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
+
+    def _decoder(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        for layer in self.model.layers:
+            hidden = layer(hidden, step)
+        return hidden
 
     def prefill_chunk(
         self,
@@ -335,26 +376,11 @@ class Qwen36ForCausalLM(nn.Module):
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
-        slot_index = slot.reshape(1)
-        for layer, cache_idx in zip(self.model.layers, self.cache_index, strict=True):
-            normed = layer.input_layernorm(hidden)
-            if layer.layer_type == LINEAR_ATTENTION:
-                out, new_conv, new_recurrent = layer.linear_attn.prefill(
-                    normed,
-                    valid,
-                    num_valid,
-                    conv_state[cache_idx].index_select(0, slot_index),
-                    recurrent_state[cache_idx].index_select(0, slot_index),
-                )
-                state_index = (torch.full_like(slot_index, cache_idx), slot_index)
-                conv_state.index_put_(state_index, new_conv.to(conv_state.dtype))
-                recurrent_state.index_put_(state_index, new_recurrent)
-            else:
-                out = layer.self_attn(
-                    normed, cos, sin, write_slots, block_tables, attend,
-                    key_cache, value_cache, cache_idx,
-                )  # fmt: skip
-            hidden = layer.feed_forward(hidden, out)
+        step = StepInputs(
+            cos, sin, write_slots, block_tables, attend, slot.reshape(1), valid, num_valid,
+            key_cache, value_cache, conv_state, recurrent_state,
+        )  # fmt: skip
+        hidden = self._decoder(hidden, step)
         last = hidden.index_select(1, (num_valid - 1).reshape(1))
         return self._logits(last).squeeze(1)
 
@@ -362,17 +388,15 @@ class Qwen36ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        slots: torch.Tensor,
         block_tables: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
     ) -> torch.Tensor:
-        """One token for each of B rows: input_ids [B, 1], positions [B] (int64), block_tables [B, max_blocks]
-        (row b uses GDN cache slot b; B may be smaller than the cache's slots: only active rows are run).
-        Returns float32 logits [B, vocab]."""
-        batch = input_ids.shape[0]
-        rows = torch.arange(batch, device=input_ids.device)
+        """One token for each of B rows: input_ids [B, 1], positions [B] (int64), slots [B] (int64: the GDN
+        state slot of each row, distinct), block_tables [B, max_blocks]. Returns float32 logits [B, vocab]."""
         block_size = key_cache.shape[2]
         positions = positions.unsqueeze(1)
         write_slots = self._slots(positions, block_tables, block_size)
@@ -381,19 +405,9 @@ class Qwen36ForCausalLM(nn.Module):
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
-        for layer, cache_idx in zip(self.model.layers, self.cache_index, strict=True):
-            normed = layer.input_layernorm(hidden)
-            if layer.layer_type == LINEAR_ATTENTION:
-                out, new_conv, new_recurrent = layer.linear_attn.decode(
-                    normed, conv_state[cache_idx, :batch], recurrent_state[cache_idx, :batch]
-                )
-                state_index = (torch.full_like(rows, cache_idx), rows)
-                conv_state.index_put_(state_index, new_conv.to(conv_state.dtype))
-                recurrent_state.index_put_(state_index, new_recurrent)
-            else:
-                out = layer.self_attn(
-                    normed, cos, sin, write_slots, block_tables, attend,
-                    key_cache, value_cache, cache_idx,
-                )  # fmt: skip
-            hidden = layer.feed_forward(hidden, out)
+        step = StepInputs(
+            cos, sin, write_slots, block_tables, attend, slots, None, None,
+            key_cache, value_cache, conv_state, recurrent_state,
+        )  # fmt: skip
+        hidden = self._decoder(hidden, step)
         return self._logits(hidden).squeeze(1)

@@ -1,9 +1,10 @@
 """Hybrid prefix caching: attention KV blocks shared by hash, GDN states restored from checkpoints."""
 
 from .block_pool import BlockPool
+from .build import build_prefix_cache
 from .checkpoint import GDNCheckpoint, GDNStateSpec, layer_checksums
 from .hashing import block_key, chain_keys, root_key
-from .manager import KERNEL_CHUNK, CachedSequence, PrefixCache, PrefixCacheConfig
+from .manager import KERNEL_CHUNK, CachedSequence, KVBlocksExhausted, PrefixCache, PrefixCacheConfig
 from .schedule import plan_prefill_chunks
 
 __all__ = [
@@ -12,9 +13,11 @@ __all__ = [
     "CachedSequence",
     "GDNCheckpoint",
     "GDNStateSpec",
+    "KVBlocksExhausted",
     "PrefixCache",
     "PrefixCacheConfig",
     "block_key",
+    "build_prefix_cache",
     "chain_keys",
     "layer_checksums",
     "plan_prefill_chunks",

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 KERNEL_CHUNK = 64  # GDN kernel chunk: chunked prefill is only exact-resumable at multiples of it
 
 
+class KVBlocksExhausted(RuntimeError):
+    """Every KV block is used by in-flight sequences: none is free and none can be evicted."""
+
+
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     """What to cache and how much memory it may use."""
@@ -116,6 +120,8 @@ class PrefixCache:
     ) -> None:
         self.config = config
         self.pool = BlockPool(num_blocks)
+        # Without a byte budget nothing is cached: the pool only hands out blocks, and no state is copied.
+        self.caching = config.budget_bytes > 0
         self.kv_bytes_per_block = kv_bytes_per_block
         self.state_spec = state_spec
         self._root = root_key(config.identity)
@@ -198,7 +204,7 @@ class PrefixCache:
             cached_tokens=hit,
             block_ids=[node.block for node in shared],
             checkpoint=checkpoint,
-            snapshot_positions=sorted(p for p in stops if p > hit),
+            snapshot_positions=sorted(p for p in stops if p > hit) if self.caching else [],
             _keys=keys,
             _committed=len(shared),
         )
@@ -213,8 +219,16 @@ class PrefixCache:
         self._unpin(seq.checkpoint)
         seq.checkpoint = None
 
+    def available_blocks(self) -> int:
+        """Blocks a sequence could be given now: the free ones and the cached ones no sequence uses (a
+        sequence references every block of its path, so an unreferenced node's subtree is unreferenced too,
+        and all of them can be evicted, leaves first)."""
+        unused = sum(1 for node in self._nodes.values() if self.pool.ref_count(node.block) == 0)
+        return self.pool.num_free + unused
+
     def ensure_blocks(self, seq: CachedSequence, num_tokens: int) -> list[int]:
-        """Allocate own blocks so that the block table covers ``num_tokens`` positions; returns it."""
+        """Allocate own blocks so that the block table covers ``num_tokens`` positions; returns it. Raises
+        KVBlocksExhausted when the pool runs out (the blocks allocated so far stay the sequence's)."""
         while len(seq.block_ids) * self.config.block_size < num_tokens:
             seq.block_ids.append(self._allocate_block())
         return seq.block_ids
@@ -272,7 +286,7 @@ class PrefixCache:
 
     def decode_snapshot_due(self, seq: CachedSequence, num_computed: int) -> bool:
         """Whether the state after ``num_computed`` tokens (prompt + fed generated ones) should be staged."""
-        return num_computed >= seq.prompt_len and num_computed % self.config.granularity == 0
+        return self.caching and num_computed >= seq.prompt_len and num_computed % self.config.granularity == 0
 
     def stage_checkpoint(
         self, seq: CachedSequence, position: int, conv: torch.Tensor, recurrent: torch.Tensor
@@ -463,7 +477,7 @@ class PrefixCache:
         while block is None:
             node = self._evictable_node()
             if node is None:
-                raise RuntimeError(
+                raise KVBlocksExhausted(
                     f"KV block pool exhausted: all {self.pool.num_blocks - 1} blocks are used by in-flight "
                     "sequences; raise num_blocks or run fewer/shorter sequences at once"
                 )

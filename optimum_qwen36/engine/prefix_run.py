@@ -8,74 +8,27 @@ multiple of the granularity while decoding, so the next turn of a conversation h
 
 from __future__ import annotations
 
-import hashlib
-from typing import TYPE_CHECKING
-
 import torch
 
-from .checkpoint import GDNStateSpec
-from .manager import CachedSequence, PrefixCache, PrefixCacheConfig
-from .schedule import plan_prefill_chunks
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-    from ..exporters.base import StepBackend
-    from ..modeling.cache import Qwen36HybridCache
-    from ..neuron_config import Qwen36NeuronConfig
-
-
-def build_prefix_cache(
-    kv: Qwen36HybridCache, neuron_config: Qwen36NeuronConfig, model_config: PretrainedConfig
-) -> PrefixCache:
-    """A prefix cache managing every block of ``kv`` (block 0 excepted) and checkpointing its GDN slots."""
-    spec = GDNStateSpec(
-        num_layers=kv.conv_state.shape[0],
-        conv_shape=tuple(kv.conv_state.shape[2:]),
-        conv_dtype=kv.conv_state.dtype,
-        recurrent_shape=tuple(kv.recurrent_state.shape[2:]),
-        recurrent_dtype=kv.recurrent_state.dtype,
-    )
-    # K and V of one block across every attention layer.
-    kv_bytes = 2 * kv.key_cache[:, 0].numel() * kv.key_cache.element_size()
-    nc = neuron_config
-    # States depend on the weights, their dtype and the backend's numerics: salt every key with them.
-    identity = "|".join(
-        (
-            str(nc.checkpoint_id),
-            str(nc.checkpoint_revision),
-            nc.dtype,
-            nc.backend,
-            model_config.to_json_string(),
-        )
-    )
-    config = PrefixCacheConfig(
-        budget_bytes=nc.prefix_cache_bytes,
-        block_size=kv.block_size,
-        granularity=nc.prefix_cache_granularity,
-        checkpoint_interval=nc.prefix_cache_interval,
-        identity=hashlib.sha256(identity.encode()).hexdigest(),
-    )
-    return PrefixCache(config, num_blocks=kv.key_cache.shape[1], kv_bytes_per_block=kv_bytes, state_spec=spec)
+from ..prefix_caching import CachedSequence, PrefixCache, plan_prefill_chunks
+from .runner import ModelRunner
 
 
 class PrefixCachedRun:
     """The rows of one ``generate()`` call. Call ``prefill``, then ``before_decode``/``after_decode``
     around every decode step, and ``finish`` in all cases (it releases the rows' blocks)."""
 
-    def __init__(
-        self, prefix_cache: PrefixCache, kv: Qwen36HybridCache, backend: StepBackend, chunk_size: int
-    ) -> None:
+    def __init__(self, prefix_cache: PrefixCache, runner: ModelRunner) -> None:
         self.prefix_cache = prefix_cache
-        self.kv = kv
-        self.backend = backend
-        self.chunk_size = chunk_size
+        self.runner = runner
+        self.kv = kv = runner.cache
+        self.chunk_size = runner.prefill_chunk_size
         self.seqs: list[CachedSequence] = []
         self.computed: list[int] = []  # tokens of each row whose KV and state are computed
         self.live: list[bool] = []  # row still generating real tokens (not padding after EOS)
         self.table_len: list[int] = []  # entries of each row's block table written so far
-        # Every row starts on the null block: rows beyond the batch and finished rows decode dummy
-        # tokens, whose KV writes must never land in a block the cache manages.
+        # Every row starts on the null block: finished rows decode dummy tokens, whose KV writes must never
+        # land in a block the cache manages.
         kv.block_tables.zero_()
         kv.seq_lens.zero_()
 
@@ -90,26 +43,16 @@ class PrefixCachedRun:
             self.computed.append(0)
             self.live.append(True)
             self.table_len.append(0)
-            conv, recurrent = kv.conv_state[:, row], kv.recurrent_state[:, row]
+            conv, recurrent = self.runner.slot_state(row)
             if seq.checkpoint is not None:
                 pc.restore(seq, conv, recurrent)
             else:
-                conv.zero_()
-                recurrent.zero_()
+                self.runner.reset_slot(row)
             hit, length = seq.cached_tokens, len(tokens)
             kv.record_tokens(row, tokens[:hit])
             self._extend_block_table(row, seq, length)
             for start, n in plan_prefill_chunks(hit, length, self.chunk_size, seq.snapshot_positions):
-                padded = torch.zeros((1, self.chunk_size), dtype=torch.long)
-                padded[0, :n] = tokens[start : start + n]
-                logits = self.backend.prefill_chunk(
-                    padded,
-                    torch.tensor(start),
-                    torch.tensor(n),
-                    torch.tensor(row),
-                    kv.block_tables[row],
-                    *kv.step_tensors(),
-                )
+                logits = self.runner.prefill(tokens[start : start + n], start, row, kv.block_tables[row])
                 kv.record_tokens(row, tokens[start : start + n])
                 end = start + n
                 self.computed[row] = end
@@ -154,6 +97,4 @@ class PrefixCachedRun:
     def _stage_if_due(self, row: int) -> None:
         seq, computed = self.seqs[row], self.computed[row]
         if self.prefix_cache.decode_snapshot_due(seq, computed):
-            self.prefix_cache.stage_checkpoint(
-                seq, computed, self.kv.conv_state[:, row], self.kv.recurrent_state[:, row]
-            )
+            self.prefix_cache.stage_checkpoint(seq, computed, *self.runner.slot_state(row))

@@ -1,0 +1,25 @@
+"""The engine: continuous batching with chunked prefill interleaved with decode, one KV block pool shared
+with prefix caching, per-request sampling, and the only caller of a model's step backend."""
+
+from .detokenizer import IncrementalDetokenizer
+from .engine import Engine
+from .loop import AsyncEngine, EngineDeadError, EngineLoop, RequestStream
+from .request import FinishReason, Request, RequestOutput, RequestState
+from .sampling import SamplingParams
+from .scheduler import Scheduler, StepPlan
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineDeadError",
+    "EngineLoop",
+    "FinishReason",
+    "IncrementalDetokenizer",
+    "Request",
+    "RequestOutput",
+    "RequestState",
+    "RequestStream",
+    "SamplingParams",
+    "Scheduler",
+    "StepPlan",
+]

@@ -1,0 +1,86 @@
+"""A request's life in the engine: its tokens, state, finish reason and timestamps, and what each step
+delivers to its caller."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams, request_generator
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and requeued: holds no slot and no blocks
+    PREFILLING = "prefilling"  # holds a slot; some prompt tokens still to compute
+    DECODING = "decoding"  # every prompt token computed; one new token per step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS / stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the compiled sequence_length
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    """One prompt being generated for. `output_ids` are the sampled tokens; `num_computed` counts the
+    tokens (prompt, then fed outputs) whose KV and GDN state are in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens reused from the prefix cache at (the last) admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt: it needs at least one token")
+        self.generator = request_generator(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output tokens, in order: what the model has seen or will see."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end the request (and that min_tokens holds back)."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return eos + self.params.stop_token_ids
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens (and their text, when the engine has a
+    tokenizer), their log-probabilities, and whether the request is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    cached_prompt_tokens: int = 0

@@ -1,0 +1,211 @@
+"""Per-request sampling settings (vLLM / OpenAI names) and one vectorised sampler for every running row.
+
+Each row is processed with its own settings in the same pass, and draws its randomness from its own
+`torch.Generator` (seeded from `SamplingParams.seed` when given), so a request's tokens do not depend on
+which other requests share the step.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# OpenAI's bounds for the two additive penalties, and its cap on top logprobs.
+PENALTY_RANGE = (-2.0, 2.0)
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token and when to stop (vLLM's `SamplingParams` field names).
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. repetition_penalty scales
+    the logits of tokens seen in the prompt or the output (transformers' rule); presence_penalty and
+    frequency_penalty subtract from the logits of tokens in the output (OpenAI's rule). min_tokens holds back
+    the stop tokens (EOS and stop_token_ids) until that many tokens were generated. logprobs: how many of the
+    most likely tokens' log-probabilities to return with each token (besides the sampled token's)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        problems = []
+        if not isinstance(self.n, int) or self.n < 1:
+            problems.append(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 or -1: no limit), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                problems.append(f"{name} must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {value}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            problems.append(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
+        if problems:
+            raise ValueError("Invalid SamplingParams: " + "; ".join(problems) + ".")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one running request at one step."""
+
+    params: SamplingParams
+    # The request's token ids so far: prompt then output (repetition_penalty reads both).
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    # Held back until min_tokens outputs exist: the EOS ids (unless ignore_eos) and stop_token_ids.
+    stop_ids: Sequence[int]
+    generator: torch.Generator = field(repr=False)
+
+
+@dataclass
+class SampledTokens:
+    """One step's result for every row: the token, its log-probability under the model's distribution, and
+    (for rows that asked) the top log-probabilities, as (token ids, log-probabilities) of shape [k]."""
+
+    tokens: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor  # [rows] float32
+    top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _seen_mask(rows: Sequence[SamplingRow], vocab: int, include_prompt: bool) -> torch.Tensor:
+    mask = torch.zeros((len(rows), vocab), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids = list(row.output_ids) + (list(row.prompt_ids) if include_prompt else [])
+        if ids:
+            mask[i, torch.tensor(ids, dtype=torch.long)] = True
+    return mask
+
+
+def _output_counts(rows: Sequence[SamplingRow], vocab: int) -> torch.Tensor:
+    counts = torch.zeros((len(rows), vocab), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row.output_ids:
+            ids = torch.tensor(list(row.output_ids), dtype=torch.long)
+            counts[i].index_add_(0, ids, torch.ones(len(ids)))
+    return counts
+
+
+def _column(rows: Sequence[SamplingRow], name: str) -> torch.Tensor:
+    return torch.tensor([float(getattr(row.params, name)) for row in rows], dtype=torch.float32)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """repetition_penalty (prompt and output tokens, transformers' rule), then presence and frequency
+    penalties (output tokens, OpenAI's rule), then min_tokens; rows without them are untouched."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    repetition = _column(rows, "repetition_penalty")
+    if (repetition != 1).any():
+        seen = _seen_mask(rows, vocab, include_prompt=True)
+        penalty = repetition[:, None].expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    presence, frequency = _column(rows, "presence_penalty"), _column(rows, "frequency_penalty")
+    if (presence != 0).any() or (frequency != 0).any():
+        counts = _output_counts(rows, vocab)
+        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
+            logits[i, torch.tensor(list(row.stop_ids), dtype=torch.long)] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top_k, top_p and min_p, each with the row's own value (greedy rows: unchanged)."""
+    temperature = _column(rows, "temperature")
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([row.params.top_k or vocab for row in rows])
+    top_p, min_p = _column(rows, "top_p"), _column(rows, "min_p")
+    if (top_k < vocab).any() or (top_p < 1).any():
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).expand_as(ordered)
+        drop = rank >= top_k[:, None]
+        # top_p keeps the smallest set of most likely tokens whose probability reaches top_p (at least one).
+        probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        # Only rows that set top_p: a float32 cumulative sum can reach 1 before the last token.
+        drop |= (before >= top_p[:, None]) & (rank > 0) & (top_p < 1)[:, None]
+        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    if (min_p > 0).any():
+        probs = scaled.softmax(dim=-1)
+        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scaled
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledTokens:
+    """The next token of every row from its float32 logits [rows, vocab]."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
+    logits = logits.float()
+    model_logprobs = logits.log_softmax(dim=-1)
+    penalized = apply_penalties(logits, rows)
+    tokens = penalized.argmax(dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if sampled:
+        chosen = [rows[i] for i in sampled]
+        probs = filter_logits(penalized[sampled], chosen).softmax(dim=-1)
+        # argmax(p / E) with E ~ Exp(1) is a draw from p (torch.multinomial's rule); each row's noise comes
+        # from its own generator, so its draw does not depend on the other rows.
+        noise = torch.stack(
+            [torch.empty(probs.shape[-1]).exponential_(generator=row.generator) for row in chosen]
+        ).clamp_min(torch.finfo(torch.float32).tiny)  # a zero draw would make 0 / 0 of filtered tokens
+        tokens[sampled] = (probs / noise).argmax(dim=-1)
+    top: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
+        if k:
+            values, ids = model_logprobs[i].topk(k)
+            top.append((ids, values))
+        else:
+            top.append(None)
+    return SampledTokens(tokens, model_logprobs.gather(1, tokens[:, None]).squeeze(1), top)
+
+
+def request_generator(seed: int | None) -> torch.Generator:
+    """A request's own generator: seeded with `seed`, or without one from the OS's randomness."""
+    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)

@@ -1,0 +1,49 @@
+"""The prefix cache of a model's cache: sized and salted from the export settings."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+from .checkpoint import GDNStateSpec
+from .manager import PrefixCache, PrefixCacheConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from ..modeling.cache import Qwen36HybridCache
+    from ..neuron_config import Qwen36NeuronConfig
+
+
+def build_prefix_cache(
+    kv: Qwen36HybridCache, neuron_config: Qwen36NeuronConfig, model_config: PretrainedConfig
+) -> PrefixCache:
+    """A prefix cache managing every block of ``kv`` (block 0 excepted) and checkpointing its GDN slots."""
+    spec = GDNStateSpec(
+        num_layers=kv.conv_state.shape[0],
+        conv_shape=tuple(kv.conv_state.shape[2:]),
+        conv_dtype=kv.conv_state.dtype,
+        recurrent_shape=tuple(kv.recurrent_state.shape[2:]),
+        recurrent_dtype=kv.recurrent_state.dtype,
+    )
+    # K and V of one block across every attention layer.
+    kv_bytes = 2 * kv.key_cache[:, 0].numel() * kv.key_cache.element_size()
+    nc = neuron_config
+    # States depend on the weights, their dtype and the backend's numerics: salt every key with them.
+    identity = "|".join(
+        (
+            str(nc.checkpoint_id),
+            str(nc.checkpoint_revision),
+            nc.dtype,
+            nc.backend,
+            model_config.to_json_string(),
+        )
+    )
+    config = PrefixCacheConfig(
+        budget_bytes=nc.prefix_cache_bytes,
+        block_size=kv.block_size,
+        granularity=nc.prefix_cache_granularity,
+        checkpoint_interval=nc.prefix_cache_interval,
+        identity=hashlib.sha256(identity.encode()).hexdigest(),
+    )
+    return PrefixCache(config, num_blocks=kv.key_cache.shape[1], kv_bytes_per_block=kv_bytes, state_spec=spec)

@@ -1,0 +1,497 @@
+"""The engine: continuous batching gives every request the tokens it gets alone (batch invariance), against
+transformers too; the scheduler's budget, preemption, aborts and stop conditions; per-request sampling.
+
+fp32, eager backend, a tiny model. A request's solo run is a fresh engine over a model without prefix
+caching, holding only that request: the reference its run in company must equal."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint
+from helpers import export_eager
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from optimum_qwen36.engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineLoop,
+    FinishReason,
+    IncrementalDetokenizer,
+    SamplingParams,
+)
+from optimum_qwen36.engine.sampling import SamplingRow, apply_penalties, filter_logits, request_generator
+from optimum_qwen36.tokenizer import load_qwen36_tokenizer
+
+SETTINGS = dict(batch_size=8, sequence_length=3072 + 64, prefill_chunk_size=64)
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "ckpt", "causal", seed=9)
+
+
+@pytest.fixture(scope="module")
+def cold(checkpoint):
+    return export_eager(checkpoint[0], **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def cached(checkpoint):
+    return export_eager(checkpoint[0], prefix_caching=True, **SETTINGS)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def solo(model, prompt: list[int], params: SamplingParams) -> Any:
+    engine = model.create_engine()
+    request_id = engine.add_request(prompt, params)
+    return engine.run()[request_id]
+
+
+@pytest.fixture
+def sampled_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request records the logits its tokens were sampled from, step by step (`request.logits`)."""
+    from optimum_qwen36.engine import engine as engine_module
+
+    step: dict[str, torch.Tensor] = {}
+    real_sample, real_append = engine_module.sample, engine_module.Engine._append
+
+    def sample(logits: torch.Tensor, rows: list) -> Any:
+        step["logits"] = logits
+        return real_sample(logits, rows)
+
+    def append(self, request, row: int, sampled) -> Any:
+        request.__dict__.setdefault("logits", []).append(step["logits"][row].clone())
+        return real_append(self, request, row, sampled)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(engine_module.Engine, "_append", append)
+
+
+def assert_same_run(ours: Any, alone: Any) -> float:
+    """Same tokens and finish reason; logits within 1e-4 of the solo run's largest at every step. Returns
+    the largest |difference| relative to that."""
+    assert ours.output_ids == alone.output_ids, (ours.request_id, ours.output_ids, alone.output_ids)
+    assert ours.finish_reason == alone.finish_reason
+    theirs, mine = torch.stack(alone.logits), torch.stack(ours.logits)
+    relative = float((mine - theirs).abs().max() / theirs.abs().max())
+    assert relative <= 1e-4, (ours.request_id, relative)
+    return relative
+
+
+def test_greedy_tokens_equal_transformers(checkpoint, cold) -> None:
+    _, reference = checkpoint
+    prompt = tokens(150, 1)  # three prefill chunks
+    run = solo(cold, prompt, SamplingParams(temperature=0, max_tokens=24))
+    theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert run.output_ids == theirs[0, len(prompt) :].tolist()
+    assert run.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.usefixtures("sampled_logits")
+def test_requests_get_their_solo_tokens_in_company(cold, cached) -> None:
+    """Up to 8 running at once out of 12, arriving at random steps: prompts of 1 to 3000 tokens (long prompts
+    prefilled while others decode), greedy and seeded sampling, prefix-cache hits and misses mixed (two
+    groups share prefixes), one request aborted midway, and a block pool small enough to force preemptions.
+    Each request's tokens equal its solo run's, its logits within 1e-4 of the largest (not bitwise: a row's
+    matrix products round differently with other row counts: up to ~5e-6 of the largest logit here)."""
+    rng = random.Random(0)
+    shared, system = tokens(200, 50), tokens(700, 51)
+    prompts = [
+        tokens(1, 10),
+        tokens(3000, 11),
+        shared + tokens(30, 12),
+        tokens(70, 13),
+        shared + tokens(5, 14),
+        tokens(129, 15),
+        system + tokens(800, 16),
+        tokens(33, 17),
+        system + tokens(90, 18),
+        tokens(1500, 19),
+        tokens(64, 20),
+        system + tokens(3, 21),
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(8, 40)) if i % 3 else
+        SamplingParams(temperature=0.8, top_k=40, seed=100 + i, max_tokens=rng.randint(8, 40))
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    arrivals = sorted(rng.randint(0, 60) for _ in prompts)
+    # The running requests need up to ~110 blocks of 64 tokens; 64 make the pool the bottleneck (the
+    # longest request needs 48 alone). Two prefill chunks per step: short prompts progress beside long ones.
+    engine = cached.create_engine(num_kv_blocks=65, max_num_batched_tokens=2 * 64 + 8)
+    held: dict[int, Any] = {}
+    aborted = 7
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i, arrival in enumerate(arrivals):
+            if arrival == step:
+                held[i] = engine.request(engine.add_request(prompts[i], params[i]))
+        if step == arrivals[aborted] + 6:
+            engine.abort(held[aborted].request_id)
+        engine.step()
+        step += 1
+        assert step < 2000, "the engine did not finish"
+    stats = engine.stats()
+    assert stats["preemptions"] > 0, stats
+    assert stats["prefix_cache"]["hit_tokens"] > 0, stats
+    assert max(r.num_preemptions for r in held.values()) > 0
+    assert held[aborted].finish_reason is FinishReason.ABORT
+    for i, request in held.items():
+        if i != aborted:
+            assert_same_run(request, solo(cold, prompts[i], params[i]))
+    assert not any(
+        engine.prefix_cache.pool.ref_count(b) for b in range(1, engine.prefix_cache.pool.num_blocks)
+    )
+
+
+def test_a_long_prefill_delays_running_decodes_by_one_chunk_per_step(cold) -> None:
+    engine = cold.create_engine()
+    short = engine.add_request(tokens(10, 20), SamplingParams(temperature=0, max_tokens=30))
+    engine.step()  # prefill of the short prompt and its first token
+    long = engine.add_request(tokens(600, 21), SamplingParams(temperature=0, max_tokens=2))
+    held = {short: engine.request(short), long: engine.request(long)}
+    steps_while_prefilling = 0
+    while held[long].state.value != "decoding":
+        before = len(held[short].output_ids)
+        outputs = {o.request_id: o for o in engine.step()}
+        assert len(held[short].output_ids) == before + 1, "the decoding request missed a step"
+        assert short in outputs
+        steps_while_prefilling += 1
+    assert steps_while_prefilling == -(-600 // 64)  # one 64-token chunk per step, 10 steps
+
+
+def test_stop_conditions(cold) -> None:
+    prompt = tokens(40, 30)
+    greedy = solo(cold, prompt, SamplingParams(temperature=0, max_tokens=20)).output_ids
+    stop = greedy[5]
+    first = greedy.index(stop)
+    run = solo(cold, prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(stop,)))
+    assert run.output_ids == greedy[: first + 1] and run.finish_reason is FinishReason.STOP
+    later = solo(
+        cold, prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(stop,), min_tokens=8)
+    )
+    assert len(later.output_ids) > first + 1 or later.finish_reason is FinishReason.LENGTH
+    assert stop not in later.output_ids[:7]
+    engine = cold.create_engine()
+    engine.eos_token_ids = (stop,)
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20))
+    assert engine.run()[request_id].output_ids == greedy[: first + 1]
+    ignored = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert engine.run()[ignored].output_ids == greedy
+
+
+def test_abort_frees_the_slot_and_blocks_at_once(cached) -> None:
+    engine = cached.create_engine()
+    pool = engine.prefix_cache.pool
+    request_id = engine.add_request(tokens(300, 40), SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    assert any(pool.ref_count(b) for b in range(1, pool.num_blocks))
+    final = engine.abort(request_id)
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert not any(pool.ref_count(b) for b in range(1, pool.num_blocks))
+    assert not engine.has_unfinished() and engine.abort(request_id) is None
+
+
+def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:
+    engine = cold.create_engine()
+    too_long = [1] * SETTINGS["sequence_length"]
+    for prompt, message in (([], "empty prompt"), ([1, VOCAB], "not tokens"), (too_long, "sequence_length")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request([1, 2], SamplingParams(stop=("x",)))
+    assert not engine.has_unfinished()
+    for bad, message in (
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(logprobs=21), "logprobs"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+
+
+def test_text_deltas_and_stop_strings(checkpoint) -> None:
+    tokenizer = load_qwen36_tokenizer()
+    model = export_eager(checkpoint[0], **SETTINGS)
+    engine = model.create_engine(tokenizer=tokenizer)
+    prompt = tokens(20, 60)
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24))
+    request = engine.request(request_id)
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.text_delta for o in engine.step())
+    full = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+    assert text == full
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))
+    text = ""
+    while engine.has_unfinished():
+        for output in engine.step():
+            text += output.text_delta
+            if output.finished:
+                assert output.finish_reason is FinishReason.STOP
+    assert text == full[: full.index(stop)]
+
+
+def test_incremental_detokenizer_never_splits_a_character() -> None:
+    tokenizer = load_qwen36_tokenizer()
+    text = "Gated DeltaNet 门控 🚀 naïve café — 日本語のテキスト"
+    ids = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add([t]) for t in ids]
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+    held = IncrementalDetokenizer(tokenizer, stop=("テキ",))
+    out = "".join(held.add([t]) for t in ids)
+    assert out == text[: text.index("テキ")] and held.stopped_on == "テキ"
+
+
+def _rows(params: SamplingParams, batch: int, history: list[int]) -> list[SamplingRow]:
+    return [SamplingRow(params, history, history[2:], (0,), request_generator(0)) for _ in range(batch)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=12),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, min_p=0.05),
+        SamplingParams(temperature=0.5, top_k=30, top_p=0.9, min_p=0.02),
+    ],
+)
+def test_filters_match_transformers_warpers(params: SamplingParams) -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
+    ours = filter_logits(logits, _rows(params, 3, [1]))
+    theirs = TemperatureLogitsWarper(params.temperature)(None, logits)
+    for warper in (
+        TopKLogitsWarper(params.top_k) if params.top_k else None,
+        TopPLogitsWarper(params.top_p) if params.top_p < 1 else None,
+        MinPLogitsWarper(params.min_p) if params.min_p else None,
+    ):
+        if warper is not None:
+            theirs = warper(None, theirs)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    finite = ~torch.isinf(theirs)
+    torch.testing.assert_close(ours[finite], theirs[finite])
+
+
+def test_penalties_match_transformers_and_openai() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    history = [5, 9, 9, 17, 5, 5, 33]  # prompt 5, 9; output 9, 17, 5, 5, 33
+    rows = [
+        SamplingRow(
+            SamplingParams(repetition_penalty=1.3), history[:2], history[2:], (), request_generator(0)
+        )
+    ]
+    ours = apply_penalties(logits[:1], rows)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits[:1].clone())
+    torch.testing.assert_close(ours, theirs)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ours = apply_penalties(
+        logits[1:], [SamplingRow(params, history[:2], history[2:], (), request_generator(0))]
+    )
+    expected = logits[1:].clone()
+    for token in set(history[2:]):
+        expected[0, token] -= 0.5 + 0.25 * history[2:].count(token)
+    torch.testing.assert_close(ours, expected)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_the_step() -> None:
+    from optimum_qwen36.engine.sampling import sample
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def seeded() -> SamplingRow:
+        return SamplingRow(params, [1], [], (), request_generator(7))
+
+    def unseeded() -> SamplingRow:
+        return SamplingRow(SamplingParams(temperature=1.0), [1], [], (), request_generator(None))
+
+    alone = int(sample(logits[:1], [seeded()]).tokens[0])
+    assert int(sample(logits, [seeded(), unseeded(), unseeded(), unseeded()]).tokens[0]) == alone
+    # On another row of the step, with the same logits: the same token.
+    assert int(sample(logits[[1, 0]], [unseeded(), seeded()]).tokens[1]) == alone
+
+
+def test_the_loop_thread_serves_submissions_from_several_threads(cold) -> None:
+    prompts = [tokens(n, 70 + n) for n in (5, 90, 33)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    streams: dict[int, Any] = {}
+    with EngineLoop(cold.create_engine()) as loop:
+        threads = [
+            threading.Thread(target=lambda i=i: streams.__setitem__(i, loop.submit(prompts[i], params)))
+            for i in range(len(prompts))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        with pytest.raises(ValueError, match="not tokens"):
+            loop.submit([VOCAB], params)
+        outputs = {i: list(stream) for i, stream in streams.items()}
+        for i, prompt in enumerate(prompts):
+            tokens_streamed = [t for output in outputs[i] for t in output.new_token_ids]
+            assert tokens_streamed == solo(cold, prompt, params).output_ids
+            assert outputs[i][-1].finished and outputs[i][-1].finish_reason is FinishReason.LENGTH
+        assert loop.call(lambda engine: engine.stats())["finished"] == 3
+
+
+def test_a_failing_step_ends_the_requests_in_flight_and_the_loop_goes_on(cold) -> None:
+    engine = cold.create_engine()
+    backend = engine.runner.backend
+
+    class Failing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(backend, name)
+
+        def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("device lost")
+
+    engine.runner.backend = Failing()
+    with EngineLoop(engine) as loop:
+        stream = loop.submit(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RuntimeError, match="device lost"):
+            list(stream)
+        engine.runner.backend = backend
+        again = list(loop.submit(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4)))
+        assert again[-1].finished and len(again) == 4
+    with pytest.raises(EngineDeadError):
+        loop.submit([1], SamplingParams())
+
+
+def test_async_generate_streams_and_aborts_when_left_early(cached) -> None:
+    engine = cached.create_engine()
+    params = SamplingParams(temperature=0, max_tokens=20)
+    prompt = tokens(100, 90)
+
+    async def main() -> tuple[list[int], int]:
+        async_engine = AsyncEngine(engine)
+        try:
+
+            async def whole() -> list[int]:
+                return [
+                    t async for output in async_engine.generate(prompt, params) for t in output.new_token_ids
+                ]
+
+            async def three() -> int:
+                received = 0
+                async for _ in async_engine.generate(tokens(300, 91), params):
+                    received += 1
+                    if received == 3:
+                        break  # leaving the iterator aborts the request
+                return received
+
+            full, left = await asyncio.gather(whole(), three())
+            with pytest.raises(ValueError, match="empty prompt"):
+                async for _ in async_engine.generate([], params):
+                    pass
+            stats = await async_engine.stats()
+            assert stats["aborted"] == 1 and stats["running"] == 0, stats
+            return full, left
+        finally:
+            async_engine.shutdown()
+
+    full, left = asyncio.run(main())
+    assert left == 3
+    assert full == solo(cached, prompt, params).output_ids
+    pool = engine.prefix_cache.pool
+    assert not any(pool.ref_count(b) for b in range(1, pool.num_blocks))
+
+
+def test_a_request_the_pool_cannot_hold_is_refused_not_left_waiting(cold) -> None:
+    engine = cold.create_engine(num_kv_blocks=9)  # 8 usable blocks of 64 tokens
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        engine.add_request(tokens(600, 100), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        engine.add_request(tokens(10, 100), SamplingParams(max_tokens=None))
+    assert not engine.has_unfinished()
+
+
+def test_a_failed_admission_evicts_nothing_from_the_prefix_cache(checkpoint) -> None:
+    """A request whose first chunk's blocks cannot be had waits, and the cached prefixes stay: it must not
+    evict them for an admission that fails anyway."""
+    model = export_eager(
+        checkpoint[0], prefix_caching=True, batch_size=2, sequence_length=1024, prefill_chunk_size=256
+    )
+    engine = model.create_engine(num_kv_blocks=13)  # 12 usable blocks of 64; a first chunk needs 4
+    greedy = dict(temperature=0, max_tokens=2)
+    engine.add_request(tokens(394, 110), SamplingParams(**greedy))
+    engine.run()  # 6 blocks cached
+    long = engine.request(engine.add_request(tokens(520, 111), SamplingParams(temperature=0, max_tokens=100)))
+    while long.num_computed < 520:
+        engine.step()
+    # The long request holds 9 blocks: 3 cached ones are left, the new prompt's first chunk needs 4.
+    assert engine.prefix_cache.available_blocks() == 3
+    before = engine.prefix_cache.stats()
+    waiting = engine.request(engine.add_request(tokens(300, 112), SamplingParams(**greedy)))
+    engine.step()
+    after = engine.prefix_cache.stats()
+    assert waiting.state.value == "waiting"
+    assert (after["blocks_evicted"], after["cached_blocks"]) == (
+        before["blocks_evicted"],
+        before["cached_blocks"],
+    )
+    engine.run()
+    assert waiting.finish_reason is FinishReason.LENGTH and len(waiting.output_ids) == 2
+
+
+def test_stop_strings_wait_for_min_tokens(checkpoint) -> None:
+    """A stop string completed before min_tokens tokens exist does not end the request (vLLM's rule)."""
+    tokenizer = load_qwen36_tokenizer()
+    model = export_eager(checkpoint[0], **SETTINGS)
+    prompt = tokens(20, 60)
+    full = solo(model, prompt, SamplingParams(temperature=0, max_tokens=24)).output_ids
+    early = tokenizer.decode(full[:6], skip_special_tokens=True)
+    stop = early[:2]
+    assert len(stop) == 2, early
+    engine = model.create_engine(tokenizer=tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=24, stop=(stop,), min_tokens=6)
+    request = engine.request(engine.add_request(prompt, params))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.text_delta for o in engine.step())
+    assert len(request.output_ids) > 6 and text.startswith(early)
+    request = engine.request(
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))
+    )
+    engine.run()
+    assert len(request.output_ids) <= 2 and request.finish_reason is FinishReason.STOP
+
+
+def test_the_loop_survives_a_reader_that_fails_and_a_submit_after_shutdown_raises(cold) -> None:
+    params = SamplingParams(temperature=0, max_tokens=30)
+    loop = EngineLoop(cold.create_engine())
+    failures = []
+
+    def broken(item: Any) -> None:
+        failures.append(item)
+        raise RuntimeError("reader gone")
+
+    rid = loop.add(tokens(10, 120), params, None, broken).result()
+    survivor = list(loop.submit(tokens(12, 121), SamplingParams(temperature=0, max_tokens=5)))
+    assert survivor[-1].finished
+    stats = loop.call(lambda engine: engine.stats())
+    assert len(failures) == 1 and stats["aborted"] == 1 and stats["running"] == 0, (rid, stats)
+    loop.shutdown()
+    with pytest.raises(EngineDeadError):
+        loop.submit([1], params)
