@@ -326,7 +326,8 @@ def main() -> None:
                 static_served = run_static(model, works, args.batch_size)
                 runs[ENGINE].append(metrics(engine_served))
                 runs[STATIC].append(metrics(static_served))
-                same_tokens[pattern] = all(
+                # Over every repeat, not only the last one.
+                same_tokens[pattern] = same_tokens.get(pattern, True) and all(
                     a.tokens == b.tokens for a, b in zip(engine_served, static_served, strict=True)
                 )
                 print(f"{pattern}: engine {runs[ENGINE][-1]['output_tok_per_s']:.1f} tok/s, static "
