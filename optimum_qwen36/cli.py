@@ -2,6 +2,7 @@
 
 optimum-qwen36 export Qwen/Qwen3.6-27B ./qwen36-cpu --backend cpu --batch-size 1 --sequence-length 4096
 optimum-qwen36 generate ./qwen36-cpu --prompt "What is a Gated DeltaNet?" --chat --no-thinking
+optimum-qwen36 serve ./qwen36-cpu --port 8000   # OpenAI-compatible server
 optimum-qwen36 cache lookup             # list compiled graphs in the compile cache
 optimum-qwen36 cache clear
 
@@ -28,7 +29,12 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="what to compile for (default: cuda with a GPU, else cpu; eager = no compilation)",
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="rows generated together (default 1)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="rows generated together, i.e. max concurrent sequences (default 1; serve: 8)",
+    )
     parser.add_argument(
         "--sequence-length",
         type=int,
@@ -89,15 +95,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from . import NeuronQwen36ForCausalLM
     from .tokenizer import load_qwen36_tokenizer
 
-    if os.path.isfile(os.path.join(args.model, NEURON_CONFIG_NAME)) or args.trust_compiled_code:
-        model = NeuronQwen36ForCausalLM.from_pretrained(
-            args.model, trust_compiled_code=args.trust_compiled_code
-        )
-    else:
-        model = _export(args)
+    model = _load(args)
     tokenizer = load_qwen36_tokenizer(model.tokenizer_dir)
     prompt = args.prompt
     if args.chat:
@@ -117,6 +117,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"[{len(new_tokens)} tokens in {elapsed:.2f} s, {len(new_tokens) / elapsed:.1f} tok/s]",
         file=sys.stderr,
     )
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    """An exported model directory (or Hub repository, with --trust-compiled-code) loads; a checkpoint is
+    exported (the compile cache applies)."""
+    from . import NeuronQwen36ForCausalLM
+
+    if os.path.isfile(os.path.join(args.model, NEURON_CONFIG_NAME)) or args.trust_compiled_code:
+        return NeuronQwen36ForCausalLM.from_pretrained(
+            args.model, trust_compiled_code=args.trust_compiled_code
+        )
+    return _export(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import ServerSettings, build_app, served_model
+
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("OPTIMUM_QWEN36_API_KEY"),
+        default_enable_thinking=args.default_enable_thinking == "true",
+        max_waiting_requests=args.max_waiting_requests,
+    )
+
+    def load():
+        return served_model(
+            _load(args),
+            prefix_caching=args.prefix_caching,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+
+    uvicorn.run(build_app(load, settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -180,6 +215,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_export_settings(generate)
     generate.set_defaults(func=cmd_generate)
+
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", help="directory written by `export`, a Hub id, or a checkpoint to export")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the `model` clients name (default: MODEL)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $OPTIMUM_QWEN36_API_KEY)",
+    )
+    serve.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse computed prompt prefixes across requests (default: as exported)",
+    )
+    serve.add_argument(
+        "--default-enable-thinking",
+        choices=("true", "false"),
+        default="true",
+        help="the chat template's enable_thinking when a request does not set chat_template_kwargs",
+    )
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=256, help="queued requests beyond these get a 503"
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    serve.add_argument(
+        "--trust-compiled-code",
+        action="store_true",
+        help="allow loading compiled (native) code from the Hub (see generate)",
+    )
+    _add_export_settings(serve)
+    serve.set_defaults(func=cmd_serve, batch_size=8)
 
     cache = commands.add_parser("cache", help="inspect or clear the compile cache")
     cache.add_argument("action", choices=("lookup", "clear"))

@@ -5,7 +5,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
 from .loop import AsyncEngine, EngineDeadError, EngineLoop, RequestStream
 from .request import FinishReason, Request, RequestOutput, RequestState
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "StepPlan",
+    "TokenConstraint",
 ]

@@ -26,7 +26,7 @@ from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .request import FinishReason, Request, RequestOutput, RequestState
 from .runner import ModelRunner
-from .sampling import SampledTokens, SamplingParams, SamplingRow, sample
+from .sampling import SampledTokens, SamplingParams, SamplingRow, TokenConstraint, sample
 from .scheduler import PrefillChunk, Scheduler
 
 
@@ -65,10 +65,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> str:
-        """Queue a prompt (token ids); returns its request id. Bad input raises ValueError, and nothing is
-        queued."""
+        """Queue a prompt (token ids); returns its request id. `constraint` restricts which tokens it may
+        produce (structured output). Bad input raises ValueError, and nothing is queued."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -89,7 +93,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids)
+        request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, constraint=constraint)
         self.scheduler.add(request)
         self._requests[request_id] = request
         if self.tokenizer is not None:
@@ -203,7 +207,12 @@ class Engine:
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         return SamplingRow(
-            request.params, request.prompt_ids, request.output_ids, request.stop_ids, request.generator
+            request.params,
+            request.prompt_ids,
+            request.output_ids,
+            request.stop_ids,
+            request.generator,
+            request.constraint,
         )
 
     # ------------------------------------------------------------------ results
@@ -211,6 +220,8 @@ class Engine:
         token = int(sampled.tokens[row])
         now = time.monotonic()
         request.output_ids.append(token)
+        if request.constraint is not None:
+            request.constraint.accept(token)
         self.scheduler.sequence_of(request).append_tokens([token])
         request.output_logprobs.append(float(sampled.logprobs[row]))
         request.token_times.append(now)

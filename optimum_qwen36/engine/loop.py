@@ -24,7 +24,7 @@ from typing import Any
 
 from .engine import Engine
 from .request import RequestOutput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class EngineLoop:
         params: SamplingParams | None,
         request_id: str | None,
         sink: Sink,
+        constraint: TokenConstraint | None = None,
     ) -> Future[str]:
         """Queue a request whose outputs (or the engine's exception) are passed to `sink` on the loop
         thread; the future gives its id, or the error that refused it."""
@@ -99,7 +100,7 @@ class EngineLoop:
 
         def add() -> None:
             try:
-                rid = self.engine.add_request(prompt_ids, params, request_id)
+                rid = self.engine.add_request(prompt_ids, params, request_id, constraint)
             except Exception as error:  # handed to the submitting thread
                 added.set_exception(error)
                 return
@@ -219,7 +220,11 @@ class AsyncEngine:
         self.loop = EngineLoop(engine)
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine produces them; raises ValueError for bad
         input before yielding anything. Closing the iterator before the end aborts the request."""
@@ -229,7 +234,7 @@ class AsyncEngine:
         def sink(item: _Item) -> None:
             running.call_soon_threadsafe(items.put_nowait, item)
 
-        added = self.loop.add(prompt_ids, params, request_id, sink)
+        added = self.loop.add(prompt_ids, params, request_id, sink, constraint)
         try:
             rid = await asyncio.wrap_future(added)
         except asyncio.CancelledError:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, request_generator
+from .sampling import SamplingParams, TokenConstraint, request_generator
 
 
 class RequestState(enum.Enum):
@@ -44,6 +44,7 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    constraint: TokenConstraint | None = field(default=None, repr=False)  # e.g. a JSON-schema grammar
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -88,6 +89,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class TokenConstraint(Protocol):
+    """Which tokens a request may produce next (structured output: a grammar matcher). The engine asks for
+    the mask before each of the request's tokens and reports the token it picked."""
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        """A bool mask [vocab_size] of the tokens allowed next, or None when any token is."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """The request produced `token_id` (one of the allowed tokens)."""
+        ...
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs of one running request at one step."""
@@ -99,6 +113,7 @@ class SamplingRow:
     # Held back until min_tokens outputs exist: the EOS ids (unless ignore_eos) and stop_token_ids.
     stop_ids: Sequence[int]
     generator: torch.Generator = field(repr=False)
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -135,7 +150,8 @@ def _column(rows: Sequence[SamplingRow], name: str) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """repetition_penalty (prompt and output tokens, transformers' rule), then presence and frequency
-    penalties (output tokens, OpenAI's rule), then min_tokens; rows without them are untouched."""
+    penalties (output tokens, OpenAI's rule), then min_tokens and the row's constraint; rows without them
+    are untouched."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     repetition = _column(rows, "repetition_penalty")
@@ -151,6 +167,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     for i, row in enumerate(rows):
         if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
             logits[i, torch.tensor(list(row.stop_ids), dtype=torch.long)] = float("-inf")
+        allowed = row.constraint.allowed_tokens(vocab) if row.constraint is not None else None
+        if allowed is not None:
+            logits[i].masked_fill_(~allowed, float("-inf"))
     return logits
 
 

@@ -348,15 +348,17 @@ class NeuronModelForCausalLM:
         max_num_batched_tokens: int | None = None,
         num_kv_blocks: int | None = None,
         tokenizer: Any = None,
+        prefix_caching: bool | None = None,
     ) -> Engine:
         """A continuous-batching engine over this model's backend (`optimum_qwen36.engine.Engine`): up to
         `batch_size` requests run at once, each with its own GDN slot, their KV blocks from one pool shared
         with prefix caching (when the model was exported with `prefix_caching=True`). The engine has its
         own cache, of `num_kv_blocks` blocks (default: as generate()'s). `tokenizer` enables text deltas and
-        stop strings."""
-        device = self.backend.device
-        cache = self.cache_for(self.config, self.neuron_config, device, num_blocks=num_kv_blocks)
+        stop strings. `prefix_caching` overrides the exported setting (the graphs are the same)."""
         settings = self.neuron_config
+        if prefix_caching is not None:
+            settings = dataclasses.replace(settings, prefix_caching=prefix_caching)
+        cache = self.cache_for(self.config, settings, self.backend.device, num_blocks=num_kv_blocks)
         if not settings.prefix_caching:  # the pool still hands out blocks; it caches none
             settings = dataclasses.replace(settings, prefix_cache_bytes=0)
         return Engine(
@@ -365,10 +367,19 @@ class NeuronModelForCausalLM:
             build_prefix_cache(cache, settings, self.config),
             prefill_chunk_size=self.neuron_config.prefill_chunk_size,
             max_num_batched_tokens=max_num_batched_tokens,
-            eos_token_ids=eos_token_ids(self.generation_config),
+            eos_token_ids=self._engine_eos_ids(tokenizer),
             vocab_size=self.config.vocab_size,
             tokenizer=tokenizer,
         )
+
+    def _engine_eos_ids(self, tokenizer: Any) -> list[int]:
+        """generation_config's EOS ids and the tokenizer's EOS (vLLM stops on both), when the model can
+        produce it (a test model's vocabulary may be smaller than the tokenizer's)."""
+        ids = list(eos_token_ids(self.generation_config))
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None or eos in ids or not 0 <= eos < self.config.vocab_size:
+            return ids
+        return [*ids, eos]
 
     def generate(
         self,

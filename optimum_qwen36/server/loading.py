@@ -1,0 +1,36 @@
+"""From a loaded model to what the server serves: its engine on a loop thread, its tokenizer, limits and
+generation defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine import AsyncEngine
+from ..modeling.causal_lm import NeuronQwen36ForCausalLM
+from ..tokenizer import load_qwen36_tokenizer
+from .app import GENERATION_DEFAULTS, ServedModel
+
+
+def served_model(
+    model: NeuronQwen36ForCausalLM,
+    tokenizer: Any = None,
+    *,
+    prefix_caching: bool | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> ServedModel:
+    """Start an engine over `model` (prefix caching: as exported unless given) and describe it."""
+    tokenizer = tokenizer if tokenizer is not None else load_qwen36_tokenizer(model.tokenizer_dir)
+    engine = model.create_engine(
+        tokenizer=tokenizer, prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens
+    )
+    # Only what generation_config.json sets (to_diff_dict leaves out the class defaults), as vLLM does.
+    configured = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+    return ServedModel(
+        engine=AsyncEngine(engine),
+        tokenizer=tokenizer,
+        max_model_len=model.neuron_config.sequence_length,
+        vocab_size=model.config.vocab_size,
+        max_num_seqs=model.neuron_config.batch_size,
+        eos_token_id=tokenizer.eos_token_id,
+        generation_defaults={k: configured[k] for k in GENERATION_DEFAULTS if configured.get(k) is not None},
+    )

@@ -1,0 +1,83 @@
+"""Prometheus metrics (prometheus_client, one registry per server), named like vLLM's with our prefix:
+request counts and latencies recorded as requests finish, engine gauges read from `Engine.stats()` when
+`/metrics` is scraped."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "optimum_qwen36:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Requests holding a GDN slot (prefilling or decoding).")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a slot.")
+        self.slots_used = gauge("gdn_slots_used", "GDN state slots in use.")
+        self.slots = gauge("gdn_slots", "GDN state slots (the compiled batch size).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_blocks = gauge("kv_blocks", "KV blocks in the pool.")
+        self.preemptions = gauge("num_preemptions", "Requests preempted since start (KV blocks ran out).")
+        self.prefix_hit_tokens = gauge(
+            "prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache."
+        )
+        self.prefix_queried_tokens = gauge(
+            "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.", _LATENCY_BUCKETS)
+
+    def request_finished(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        token_times: list[float],
+        arrival_time: float,
+        end_time: float,
+    ) -> None:
+        model = self.model_name
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(len(token_times))
+        self.request_success.labels(model, finish_reason).inc()
+        self.e2e.labels(model).observe(end_time - arrival_time)
+        if token_times:
+            self.ttft.labels(model).observe(token_times[0] - arrival_time)
+            for before, after in itertools.pairwise(token_times):
+                self.tpot.labels(model).observe(after - before)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        """The Prometheus text, with the engine gauges set from `stats` (Engine.stats())."""
+        model = self.model_name
+        self.running.labels(model).set(stats["running"])
+        self.waiting.labels(model).set(stats["waiting"])
+        self.slots_used.labels(model).set(stats["slots_used"])
+        self.slots.labels(model).set(stats["slots"])
+        self.kv_blocks.labels(model).set(stats["blocks"])
+        used = stats["blocks"] - stats["free_blocks"]
+        self.kv_usage.labels(model).set(used / stats["blocks"] if stats["blocks"] else 0.0)
+        self.preemptions.labels(model).set(stats["preemptions"])
+        self.prefix_hit_tokens.labels(model).set(stats["prefix_cache"]["hit_tokens"])
+        self.prefix_queried_tokens.labels(model).set(stats["prefix_cache"]["prompt_tokens"])
+        return generate_latest(self.registry)

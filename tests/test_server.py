@@ -1,0 +1,512 @@
+"""The OpenAI-compatible server, for real: uvicorn on 127.0.0.1 at a free port, the official `openai`
+client, and a tiny model trained (tests/chat_model.py) to answer known prompts with reasoning, tool calls
+and JSON, so every parsed field is compared with text the model is known to write."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from chat_model import (
+    CONVERSATIONS,
+    GREETING,
+    PERSON,
+    WEATHER_ARGUMENTS,
+    WEATHER_QUESTION,
+    WEATHER_TOOL,
+    train_chat_checkpoint,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.server import ServerSettings, build_app, served_model
+
+API_KEY = "test-key"
+MODEL = "tiny-chat"
+SLOTS = 4
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+class RunningServer:
+    """uvicorn serving `app` on its own thread until `stop()`."""
+
+    def __init__(self, app: Any) -> None:
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        self.app = app
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.status("GET", "/health") == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("the server never became healthy")
+
+    def request(
+        self, method: str, path: str, body: Any = None, key: str | None = API_KEY, raw: bytes | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), error.read()
+        except (ConnectionError, urllib.error.URLError):
+            return 0, {}, b""
+
+    def status(self, method: str, path: str) -> int:
+        return self.request(method, path)[0]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_chat_checkpoint(tmp_path_factory.mktemp("chat") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Path) -> NeuronQwen36ForCausalLM:
+    settings = dict(batch_size=SLOTS, sequence_length=1024, prefill_chunk_size=64, prefix_caching=True)
+    return NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **settings)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    settings = ServerSettings(MODEL, api_key=API_KEY, max_waiting_requests=32)
+    running = RunningServer(build_app(lambda: served_model(model), settings))
+    running.wait_healthy()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list, **kwargs: Any):
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kwargs)
+
+
+def stream_chat(client: openai.OpenAI, messages: list, **kwargs: Any) -> tuple[dict, list]:
+    """Deltas of a streamed chat, joined: {reasoning, content, finish_reason, tool_calls}; and the chunks."""
+    chunks = list(chat(client, messages, stream=True, **kwargs))
+    joined: dict[str, Any] = {"reasoning": "", "content": "", "finish_reason": None, "tool_calls": []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            joined["reasoning"] += getattr(delta, "reasoning", None) or ""
+            joined["content"] += delta.content or ""
+            for call in delta.tool_calls or []:
+                if call.id is not None:
+                    joined["tool_calls"].append({"id": call.id, "name": call.function.name, "arguments": ""})
+                joined["tool_calls"][call.index]["arguments"] += call.function.arguments or ""
+            joined["finish_reason"] = choice.finish_reason or joined["finish_reason"]
+    return joined, chunks
+
+
+# ---------------------------------------------------------------------- chat
+def test_chat_thinking_splits_reasoning_from_content(client) -> None:
+    response = chat(client, GREETING)
+    message = response.choices[0].message
+    assert message.reasoning == message.reasoning_content == "The user greets me.\n"
+    assert message.content == "Hello! How can I help you today?"
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == response.usage.total_tokens - response.usage.prompt_tokens
+
+
+def test_chat_thinking_off(client) -> None:
+    message = chat(client, GREETING, extra_body=NO_THINKING).choices[0].message
+    assert message.content == CONVERSATIONS["no_thinking"].answer
+    assert message.reasoning is None
+
+
+def test_chat_stream_equals_non_streaming(client) -> None:
+    joined, chunks = stream_chat(client, GREETING, stream_options={"include_usage": True})
+    assert joined["reasoning"] == "The user greets me.\n"
+    assert joined["content"] == "Hello! How can I help you today?"
+    assert joined["finish_reason"] == "stop"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # Reasoning deltas all come before the first content delta.
+    kinds = [("r" if getattr(c.choices[0].delta, "reasoning", None) else "c") for c in chunks[1:-2]]
+    assert "".join(kinds) == "".join(sorted(kinds, reverse=True))
+
+
+def test_tool_round_trip(client) -> None:
+    response = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL])
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.reasoning == "The user wants the forecast: I call the tool.\n"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == WEATHER_ARGUMENTS
+    history = [
+        *WEATHER_QUESTION,
+        choice.message.model_dump(include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})},
+    ]
+    answer = chat(client, history, tools=[WEATHER_TOOL]).choices[0]
+    assert answer.message.content == "It is 21 degrees in Paris."
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls
+
+
+def test_streamed_tool_call_deltas(client) -> None:
+    joined, chunks = stream_chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL])
+    assert joined["finish_reason"] == "tool_calls" and joined["content"] == ""
+    (call,) = joined["tool_calls"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == WEATHER_ARGUMENTS
+    fragments = [c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []]
+    assert len(fragments) >= 3  # the header, then one fragment per parameter (and the closing brace)
+
+
+def test_tool_choice_none_and_named(client) -> None:
+    none = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=16).choices[0]
+    assert not none.message.tool_calls and none.finish_reason != "tool_calls"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=named).choices[0]
+    assert json.loads(forced.message.tool_calls[0].function.arguments) == WEATHER_ARGUMENTS
+
+
+def test_tool_choice_required_forces_a_call(client) -> None:
+    # The model answers this prompt with a greeting; the grammar makes it a call instead.
+    choice = chat(
+        client, GREETING, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48, extra_body=NO_THINKING
+    ).choices[0]
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+def test_stop_string_spanning_tokens_is_never_emitted(client, model) -> None:
+    stop = "nice to"
+    assert len(served_tokenizer(model).encode(" " + stop, add_special_tokens=False)) > 1
+    message = chat(client, GREETING, stop=[stop], extra_body=NO_THINKING).choices[0].message
+    assert message.content == "Hello there, "
+    joined, _ = stream_chat(client, GREETING, stop=[stop], extra_body=NO_THINKING)
+    assert joined["content"] == "Hello there, " and joined["finish_reason"] == "stop"
+
+
+def served_tokenizer(model):
+    from optimum_qwen36.tokenizer import load_qwen36_tokenizer
+
+    return load_qwen36_tokenizer(model.tokenizer_dir)
+
+
+def test_json_schema_output_validates(client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    message = chat(client, PERSON, response_format=response_format, extra_body=NO_THINKING).choices[0].message
+    value = json.loads(message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and isinstance(value["name"], str)
+    # An untrained prompt, forced into the schema too (thinking on: the grammar starts after </think>).
+    forced = chat(client, GREETING, response_format={"type": "json_object"}, max_tokens=64).choices[0]
+    assert forced.message.reasoning == "The user greets me.\n"
+    if forced.finish_reason == "stop":
+        assert isinstance(json.loads(forced.message.content), dict)
+    else:
+        assert forced.message.content.startswith("{")
+
+
+def test_n_and_seed(client) -> None:
+    def sample(n: int, seed: int) -> list[str]:
+        response = client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=n, seed=seed
+        )
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    two = sample(2, seed=11)
+    assert len(two) == 2 and two == sample(2, seed=11)
+    assert two[0] == sample(1, seed=11)[0] and two[1] == sample(1, seed=12)[0]  # choice i draws with seed + i
+    assert sample(1, seed=13) != sample(1, seed=11) or sample(1, seed=14) != sample(1, seed=11)
+
+
+def test_completions_logprobs_and_echo(client) -> None:
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    choice = response.choices[0]
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 5
+    assert "".join(choice.logprobs.tokens) == choice.text
+    for token, logprob, top in zip(
+        choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the most likely
+        assert top[token] == pytest.approx(logprob)
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello" + choice.text
+
+
+def test_chat_logprobs(client) -> None:
+    response = chat(client, GREETING, logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
+    content = response.choices[0].logprobs.content
+    # Every generated token, the <|im_end|> that ended the answer too (its text is not in the content).
+    assert content[-1].token == "<|im_end|>"
+    assert "".join(entry.token for entry in content[:-1]) == response.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_cached_tokens_on_a_repeated_prefix(client) -> None:
+    prompt = list(range(1000, 1300))  # 300 tokens no other test sends
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 256
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_concurrent_streaming_clients_match_their_solo_outputs(client) -> None:
+    prompts = [[3000 + 37 * i + j for j in range(5 + 23 * i)] for i in range(16)]
+
+    def complete(prompt: list[int], stream: bool) -> str:
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        if not stream:
+            return client.completions.create(**kwargs).choices[0].text
+        return "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+        )
+
+    solo = [complete(p, stream=False) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda p: complete(p, stream=True), prompts))
+    assert together == solo
+
+
+def running_requests(server) -> float:
+    status, _, body = server.request("GET", "/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(body.decode()):
+        if family.name == "optimum_qwen36:num_requests_running":
+            return sum(sample.value for sample in family.samples)
+    raise AssertionError("no num_requests_running metric")
+
+
+def test_client_disconnect_frees_its_slot(server) -> None:
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    )
+    connection = socket.create_connection(server.socket.getsockname())
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    )
+    connection.sendall(request.encode())
+    received = b""
+    while received.count(b"data:") < 3:
+        received += connection.recv(4096)
+    assert running_requests(server) == 1
+    connection.close()
+    deadline = time.monotonic() + 10
+    while running_requests(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running_requests(server) == 0
+
+
+def test_metrics_parse(server, client) -> None:
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    status, headers, body = server.request("GET", "/metrics", key=None)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    families = {family.name: family for family in text_string_to_metric_families(body.decode())}
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "gdn_slots",
+        "kv_cache_usage_perc",
+        "num_preemptions",
+        "prefix_cache_hit_tokens",
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+    ):
+        assert "optimum_qwen36:" + name in families, name
+    slots = families["optimum_qwen36:gdn_slots"].samples[0].value
+    assert slots == SLOTS
+    success = sum(
+        s.value for s in families["optimum_qwen36:request_success"].samples if s.name.endswith("_total")
+    )
+    assert success >= 1
+
+
+def test_models_tokenize_detokenize(server, client) -> None:
+    (card,) = client.models.list().data
+    assert card.id == MODEL
+    status, _, body = server.request("POST", "/tokenize", {"prompt": "Hello world"})
+    tokens = json.loads(body)["tokens"]
+    assert status == 200 and json.loads(body)["count"] == len(tokens) == 2
+    status, _, body = server.request("POST", "/detokenize", {"tokens": tokens})
+    assert json.loads(body) == {"prompt": "Hello world"}
+    _, _, body = server.request("POST", "/tokenize", {"messages": GREETING})
+    assert json.loads(body)["count"] > len(tokens)
+
+
+# ---------------------------------------------------------------------- errors
+GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+BAD_REQUESTS = {
+    "malformed JSON": ("/v1/completions", None, b'{"prompt": "x",'),
+    "not UTF-8": ("/v1/completions", None, b'{"prompt": "\xff\xfe"}'),
+    "token outside the vocabulary": ("/v1/completions", {**GOOD, "prompt": [5, 10**9]}, None),
+    "negative token": ("/v1/completions", {**GOOD, "prompt": [-1]}, None),
+    "huge n": ("/v1/completions", {**GOOD, "n": 10**6}, None),
+    "huge max_tokens": ("/v1/completions", {**GOOD, "max_tokens": 10**12}, None),
+    "prompt over the model length": ("/v1/completions", {**GOOD, "prompt": [7] * 1100}, None),
+    "suffix": ("/v1/completions", {**GOOD, "suffix": "x"}, None),
+    "temperature out of range": ("/v1/completions", {**GOOD, "temperature": -1}, None),
+    "empty prompt": ("/v1/completions", {**GOOD, "prompt": []}, None),
+    "missing messages": ("/v1/chat/completions", {"model": MODEL}, None),
+    "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    "tool call arguments not JSON": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                *GREETING,
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]},
+            ]
+        },
+        None,
+    ),
+    "tool_choice names no tool": (
+        "/v1/chat/completions",
+        {"messages": GREETING, "tools": [WEATHER_TOOL], "tool_choice": {"function": {"name": "other"}}},
+        None,
+    ),
+    "bad stop token": ("/v1/completions", {**GOOD, "stop_token_ids": [10**9]}, None),
+    "bad json schema": (
+        "/v1/chat/completions",
+        {
+            "messages": GREETING,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}},
+        },
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case: str) -> None:
+    path, body, raw = BAD_REQUESTS[case]
+    status, _, payload = server.request("POST", path, body, raw=raw)
+    assert status == 400, payload
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert server.request("POST", "/v1/completions", GOOD)[0] == 200
+
+
+def test_length_error_names_both_numbers(server) -> None:
+    _, _, payload = server.request(
+        "POST", "/v1/completions", {**GOOD, "prompt": [7] * 1000, "max_tokens": 50}
+    )
+    message = json.loads(payload)["error"]["message"]
+    assert "1024" in message and "1050" in message
+
+
+def test_unknown_model_and_route(server) -> None:
+    status, _, payload = server.request("POST", "/v1/completions", {**GOOD, "model": "gpt-9"})
+    assert status == 404 and json.loads(payload)["error"]["code"] == "model_not_found"
+    status, _, payload = server.request("GET", "/v1/nothing")
+    assert status == 404 and "error" in json.loads(payload)
+
+
+def test_api_key_is_required(server) -> None:
+    for key in (None, "wrong"):
+        status, _, payload = server.request("POST", "/v1/completions", GOOD, key=key)
+        assert status == 401 and json.loads(payload)["error"]["type"] == "authentication_error"
+    assert server.request("GET", "/health", key=None)[0] == 200
+
+
+def test_full_queue_answers_503_with_retry_after(server) -> None:
+    state = server.app.state.server
+    state._in_flight += 10_000  # as if that many sequences were queued
+    try:
+        status, headers, payload = server.request("POST", "/v1/completions", GOOD)
+    finally:
+        state._in_flight -= 10_000
+    assert status == 503 and headers.get("retry-after") == "1"
+    assert json.loads(payload)["error"]["type"] == "service_unavailable_error"
+
+
+def test_health_is_503_until_the_model_is_loaded(model) -> None:
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return served_model(model)
+
+    running = RunningServer(build_app(load, ServerSettings(MODEL, default_enable_thinking=False)))
+    try:
+        deadline = time.monotonic() + 10
+        while running.status("GET", "/health") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running.status("GET", "/health") == 503
+        status, headers, _ = running.request("POST", "/v1/completions", GOOD)
+        assert status == 503 and "retry-after" in {k.lower() for k in headers}
+        loaded.set()
+        running.wait_healthy()
+        # This server's default is thinking off.
+        response = running.request("POST", "/v1/chat/completions", {"messages": GREETING, "temperature": 0})
+        assert (
+            json.loads(response[2])["choices"][0]["message"]["content"] == CONVERSATIONS["no_thinking"].answer
+        )
+    finally:
+        loaded.set()
+        running.stop()
+
+
+def test_serve_command(checkpoint: Path) -> None:
+    """`optimum-qwen36 serve CHECKPOINT`: exported on the fly (eager), served until interrupted."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--backend", "eager"]
+    command += ["--port", str(port), "--served-model-name", "cli", "--sequence-length", "512"]
+    command += ["--default-enable-thinking", "false", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        response = client.chat.completions.create(model="cli", messages=GREETING, temperature=0)
+        assert response.choices[0].message.content == CONVERSATIONS["no_thinking"].answer
+        assert client.models.list().data[0].max_model_len == 512
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0].decode()
+    assert process.returncode in (0, -15), output

@@ -1,0 +1,144 @@
+"""The server's reasoning and tool-call parsers on real Qwen3.6 output text, whole and cut at every point a
+stream could cut it (each character boundary, and each token of the real tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL
+
+from optimum_qwen36.server.chat import ChatDelta, ChatOutputParser, render_chat
+from optimum_qwen36.server.reasoning import ReasoningParser, prompt_opens_reasoning
+from optimum_qwen36.server.tool_calls import ToolCallParser, typed_value
+from optimum_qwen36.tokenizer import load_qwen36_tokenizer
+
+TWO_CALLS = (
+    "Let me look both up.\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    "Paris\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+    "<function=get_weather>\n<parameter=city>\nNew\nYork <b>\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_qwen36_tokenizer()
+
+
+def run(parser: ChatOutputParser, pieces: list[str]) -> tuple[str, str, list[dict]]:
+    """Feed the pieces, then finish; returns (reasoning, content, calls from the deltas)."""
+    total = ChatDelta()
+    for piece in [*pieces, None]:
+        delta = parser.finish() if piece is None else parser.feed(piece)
+        total.reasoning += delta.reasoning
+        total.content += delta.content
+        total.tool_calls += delta.tool_calls
+    calls: list[dict] = []
+    for delta in total.tool_calls:
+        if delta.id is not None:
+            assert delta.index == len(calls) and delta.name
+            calls.append({"id": delta.id, "name": delta.name, "arguments": ""})
+        calls[delta.index]["arguments"] += delta.arguments
+    return total.reasoning, total.content, calls
+
+
+def splits(text: str) -> list[list[str]]:
+    return [[text[:i], text[i:]] for i in range(len(text) + 1)]
+
+
+@pytest.mark.parametrize("name", ["tool_call", "tool_answer", "thinking"])
+def test_every_split_of_trained_answers_parses_like_the_whole(name: str) -> None:
+    text = CONVERSATIONS[name].answer
+    whole = run(ChatOutputParser(True, [WEATHER_TOOL]), [text])
+    for pieces in splits(text):
+        got = run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)
+        assert got[:2] == whole[:2], pieces
+        assert [(c["name"], c["arguments"]) for c in got[2]] == [
+            (c["name"], c["arguments"]) for c in whole[2]
+        ]
+
+
+def test_tool_call_answer_parses_into_typed_arguments() -> None:
+    reasoning, content, calls = run(
+        ChatOutputParser(True, [WEATHER_TOOL]), [CONVERSATIONS["tool_call"].answer]
+    )
+    assert reasoning == "The user wants the forecast: I call the tool.\n"
+    assert content == ""
+    assert [c["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == WEATHER_ARGUMENTS  # days is the integer 3: the schema says so
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_token_by_token_like_a_stream(tokenizer) -> None:
+    ids = tokenizer.encode(TWO_CALLS, add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])) :] for i in range(len(ids))]
+    assert "".join(pieces) == TWO_CALLS
+    reasoning, content, calls = run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)
+    assert reasoning == "Let me look both up.\n"
+    assert content == "Checking.\n\n"
+    assert [json.loads(c["arguments"]) for c in calls] == [WEATHER_ARGUMENTS, {"city": "New\nYork <b>"}]
+    assert len({c["id"] for c in calls}) == 2
+    for pieces in splits(TWO_CALLS):
+        assert run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)[:2] == (reasoning, content)
+
+
+def test_tool_call_inside_reasoning_ends_it() -> None:
+    text = (
+        "I will call it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    for pieces in splits(text):
+        reasoning, content, calls = run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)
+        assert reasoning == "I will call it.\n" and content == ""
+        assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Rome"}]
+
+
+def test_without_tools_the_call_text_is_content() -> None:
+    reasoning, content, calls = run(ChatOutputParser(False, None), [CONVERSATIONS["tool_call"].answer])
+    assert reasoning == "" and calls == []
+    assert content.startswith("The user wants") and "<tool_call>" in content
+
+
+def test_reasoning_cut_short_stays_reasoning() -> None:
+    parser = ReasoningParser(in_reasoning=True)
+    assert parser.parse("Still thinking </thi").reasoning == "Still thinking </thi"
+    assert ReasoningParser(in_reasoning=False).parse("\n\nAnswer </think> x").content == "Answer </think> x"
+
+
+def test_call_cut_short_keeps_complete_parameters() -> None:
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2"
+    _, content, calls = run(ChatOutputParser(False, [WEATHER_TOOL]), [text])
+    assert content == "" and json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+    # Never got a function name: it was text.
+    assert run(ChatOutputParser(False, [WEATHER_TOOL]), ["a <tool_call> b"])[1] == "a <tool_call> b"
+
+
+def test_prompt_opens_reasoning(tokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert prompt_opens_reasoning(render_chat(tokenizer, messages, [], {"enable_thinking": True}))
+    assert not prompt_opens_reasoning(render_chat(tokenizer, messages, [], {"enable_thinking": False}))
+
+
+@pytest.mark.parametrize(
+    ("text", "schema", "value"),
+    [
+        ("3", {"type": "integer"}, 3),
+        ("3", {"type": "string"}, "3"),
+        ("2.5", {"type": "number"}, 2.5),
+        ("True", {"type": "boolean"}, True),
+        ('{"a": [1]}', {"type": "object"}, {"a": [1]}),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ("null", {"type": ["integer", "null"]}, None),
+        ("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),
+        ("seven", {"type": "integer"}, "seven"),  # not what the schema says: kept as the model wrote it
+        ("3", None, "3"),
+    ],
+)
+def test_typed_value(text: str, schema: dict | None, value: object) -> None:
+    assert typed_value(text, schema) == value
+
+
+def test_parser_without_the_function_wrapper_is_not_fooled() -> None:
+    parser = ToolCallParser([WEATHER_TOOL])
+    parse = parser.parse("Plain answer with a < sign and <tool_ mention.")
+    assert parse.content == "Plain answer with a < sign and <tool_ mention." and not parser.called
