@@ -146,10 +146,12 @@ def test_chat_thinking_off(client) -> None:
 
 
 def test_chat_stream_equals_non_streaming(client) -> None:
+    whole = chat(client, GREETING)
     joined, chunks = stream_chat(client, GREETING, stream_options={"include_usage": True})
-    assert joined["reasoning"] == "The user greets me.\n"
-    assert joined["content"] == "Hello! How can I help you today?"
-    assert joined["finish_reason"] == "stop"
+    assert joined["reasoning"] == whole.choices[0].message.reasoning == "The user greets me.\n"
+    assert joined["content"] == whole.choices[0].message.content == "Hello! How can I help you today?"
+    assert joined["finish_reason"] == whole.choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     # Reasoning deltas all come before the first content delta.
@@ -186,11 +188,19 @@ def test_streamed_tool_call_deltas(client) -> None:
 
 
 def test_tool_choice_none_and_named(client) -> None:
+    # The trained answer is a call; with tool_choice none it stays text (and the tools are not shown).
     none = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=16).choices[0]
-    assert not none.message.tool_calls and none.finish_reason != "tool_calls"
+    assert not none.message.tool_calls and none.finish_reason == "length"
+    assert isinstance(none.message.content, str)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    forced = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=named).choices[0]
-    assert json.loads(forced.message.tool_calls[0].function.arguments) == WEATHER_ARGUMENTS
+    same = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=named).choices[0]
+    assert json.loads(same.message.tool_calls[0].function.arguments) == WEATHER_ARGUMENTS
+    # The model answers the greeting with text: the named choice makes it call the function.
+    forced = chat(
+        client, GREETING, tools=[WEATHER_TOOL], tool_choice=named, max_tokens=48, extra_body=NO_THINKING
+    ).choices[0]
+    assert forced.message.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(forced.message.tool_calls[0].function.arguments), dict)
 
 
 def test_tool_choice_required_forces_a_call(client) -> None:
@@ -324,10 +334,31 @@ def test_client_disconnect_frees_its_slot(server) -> None:
         received += connection.recv(4096)
     assert running_requests(server) == 1
     connection.close()
+    wait_until_idle(server)
+
+
+def wait_until_idle(server) -> None:
     deadline = time.monotonic() + 10
-    while running_requests(server) and time.monotonic() < deadline:
+    while (running_requests(server) or server.app.state.server._in_flight) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert running_requests(server) == 0
+    assert running_requests(server) == 0 and server.app.state.server._in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_that_leaves_early_frees_its_slots(server, stream: bool) -> None:
+    """n=2, the client hangs up right after sending (before any token, or while the response is
+    computed): both choices are aborted."""
+    body = {"model": MODEL, "prompt": [5] * 600, "max_tokens": 300, "n": 2, "ignore_eos": True}
+    payload = json.dumps({**body, "stream": stream})
+    connection = socket.create_connection(server.socket.getsockname())
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n{payload}"
+    )
+    connection.sendall(request.encode())
+    time.sleep(0.3)
+    connection.close()
+    wait_until_idle(server)
 
 
 def test_metrics_parse(server, client) -> None:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL
+from chat_model import WEATHER_CALL as WEATHER_CALL_TEXT
 
 from optimum_qwen36.server.chat import ChatDelta, ChatOutputParser, render_chat
 from optimum_qwen36.server.reasoning import ReasoningParser, prompt_opens_reasoning
@@ -43,7 +44,12 @@ def run(parser: ChatOutputParser, pieces: list[str]) -> tuple[str, str, list[dic
 
 
 def splits(text: str) -> list[list[str]]:
-    return [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    """Every cut in two, and one character at a time."""
+    return [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+
+
+def calls_of(parsed: tuple[str, str, list[dict]]) -> list[tuple[str, str]]:
+    return [(c["name"], c["arguments"]) for c in parsed[2]]
 
 
 @pytest.mark.parametrize("name", ["tool_call", "tool_answer", "thinking"])
@@ -53,9 +59,7 @@ def test_every_split_of_trained_answers_parses_like_the_whole(name: str) -> None
     for pieces in splits(text):
         got = run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)
         assert got[:2] == whole[:2], pieces
-        assert [(c["name"], c["arguments"]) for c in got[2]] == [
-            (c["name"], c["arguments"]) for c in whole[2]
-        ]
+        assert calls_of(got) == calls_of(whole)
 
 
 def test_tool_call_answer_parses_into_typed_arguments() -> None:
@@ -79,7 +83,22 @@ def test_token_by_token_like_a_stream(tokenizer) -> None:
     assert [json.loads(c["arguments"]) for c in calls] == [WEATHER_ARGUMENTS, {"city": "New\nYork <b>"}]
     assert len({c["id"] for c in calls}) == 2
     for pieces in splits(TWO_CALLS):
-        assert run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)[:2] == (reasoning, content)
+        got = run(ChatOutputParser(True, [WEATHER_TOOL]), pieces)
+        assert got[:2] == (reasoning, content) and calls_of(got) == [
+            (c["name"], c["arguments"]) for c in calls
+        ]
+
+
+def test_text_after_a_call_keeps_its_own_whitespace() -> None:
+    text = WEATHER_CALL_TEXT + "\n\nLine 1\n\n  Line 2\n"
+    for pieces in splits(text):
+        _, content, calls = run(ChatOutputParser(False, [WEATHER_TOOL]), pieces)
+        assert content == "Line 1\n\n  Line 2\n" and len(calls) == 1
+
+
+def test_not_json_constants_stay_strings() -> None:
+    assert typed_value("NaN", {"type": "number"}) == "NaN"
+    assert typed_value("Infinity", {"type": "number"}) == "Infinity"
 
 
 def test_tool_call_inside_reasoning_ends_it() -> None:

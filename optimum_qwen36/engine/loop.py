@@ -148,6 +148,11 @@ class EngineLoop:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread still runs (it stops at shutdown, or if the loop itself crashed)."""
+        return self._thread.is_alive() and not self._dead
+
     def _command(self, command: _Command) -> None:
         with self._lock:
             if self._dead or self._stopping.is_set():
@@ -264,6 +269,10 @@ class AsyncEngine:
 
     async def stats(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.loop.call, Engine.stats)
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.alive
 
     def shutdown(self) -> None:
         self.loop.shutdown()

@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import AsyncEngine, RequestOutput, SamplingParams, TokenConstraint
+from ..engine import AsyncEngine, EngineDeadError, RequestOutput, SamplingParams, TokenConstraint
 from .chat import ChatDelta, ChatOutputParser, check_tools, forced_tool_grammar, render_chat
 from .errors import OpenAIError, bad_request, install_error_handlers
 from .metrics import ServerMetrics
@@ -128,6 +128,7 @@ class OpenAIServer:
         return list(ids)
 
     def admit(self, count: int) -> None:
+        """Refuse `count` more sequences if the queue cannot take them."""
         model = self.ready()
         capacity = model.max_num_seqs + self.settings.max_waiting_requests
         if count > capacity:
@@ -184,6 +185,11 @@ class OpenAIServer:
         except ValueError as error:
             raise bad_request(str(error)) from error
 
+    def check_grammar_fields(self, body: SamplingFields) -> None:
+        if body.min_tokens:
+            # The grammar may allow only the end of the text while min_tokens forbids it.
+            raise bad_request("min_tokens cannot combine with a grammar (response_format or a forced tool).")
+
     def unsupported(self, body: SamplingFields) -> None:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported by this server.", "logit_bias")
@@ -194,6 +200,7 @@ class OpenAIServer:
         rf = body.response_format
         if rf is None or rf.type == "text":
             return None
+        self.check_grammar_fields(body)
         if rf.type == "json_object":
             return self.structured.json_constraint({"type": "object"}, gate)
         if rf.json_schema is None or rf.json_schema.json_schema is None:
@@ -201,73 +208,109 @@ class OpenAIServer:
         return self.structured.json_constraint(rf.json_schema.json_schema, gate)
 
     # ------------------------------------------------------------------ running choices
-    async def _run(
+    def run_group(
+        self, specs: list[tuple[int, list[int], SamplingParams, TokenConstraint | None, str]]
+    ) -> _Runs:
+        """The engine requests of one HTTP request (index, prompt ids, params, constraint, request id),
+        counted against the server's capacity from now until each ends."""
+        self.admit(len(specs))
+        self._in_flight += len(specs)
+        return _Runs(self, [_EngineRun(self, *spec) for spec in specs])
+
+
+class _EngineRun:
+    """One engine request, as an async iterator of its outputs; its capacity share is released once."""
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None,
+        request_id: str,
+    ) -> None:
+        self.server, self.index = server, index
+        self._released = False
+        self.outputs = self._outputs(prompt_ids, params, constraint, request_id)
+
+    async def _outputs(
         self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None, rid: str
     ) -> AsyncIterator[RequestOutput]:
-        """One engine request; counts against the server's capacity until it ends."""
-        model = self.ready()
+        server = self.server
         arrival = time.monotonic()
-        self._in_flight += 1
         times: list[float] = []
         try:
-            async with contextlib.aclosing(
-                model.engine.generate(prompt_ids, params, rid, constraint)
-            ) as outs:
+            engine = server.ready().engine
+            async with contextlib.aclosing(engine.generate(prompt_ids, params, rid, constraint)) as outs:
                 async for output in outs:
                     times += [time.monotonic()] * len(output.new_token_ids)
                     if output.finished and output.finish_reason is not None:
-                        self.metrics.request_finished(
-                            output.finish_reason.value, len(prompt_ids), times, arrival, time.monotonic()
-                        )
+                        end = time.monotonic()
+                        reason = output.finish_reason.value
+                        server.metrics.request_finished(reason, len(prompt_ids), times, arrival, end)
                     yield output
-        except ValueError as error:  # the engine refused it
-            raise bad_request(str(error)) from error
+        except ValueError as error:
+            if times:  # a failure mid-generation is the server's, not the request's
+                raise
+            raise bad_request(str(error)) from error  # the engine refused it at submission
+        except EngineDeadError as error:
+            raise OpenAIError(
+                503, f"The engine is not running: {error}", headers={"Retry-After": "5"}
+            ) from error
         finally:
-            self._in_flight -= 1
+            self.release()
 
-    async def _start(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-        """The first output: a refusal surfaces here, before a streamed response has begun."""
-        try:
-            return await anext(outputs)
-        except BaseException:
-            await outputs.aclose()
-            raise
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.server._in_flight -= 1
 
-    async def stream_choices(
-        self, runs: list[tuple[int, AsyncIterator[RequestOutput]]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every choice's outputs as they come, with the choice's index; closing this aborts them all.
-        A refused choice raises before anything is yielded."""
-        firsts = []
-        try:
-            for _, outputs in runs:
-                firsts.append(await self._start(outputs))
-        except BaseException:
-            for _, outputs in runs:
-                await outputs.aclose()
-            raise
-        return self._merge(runs, firsts)
+    async def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already closed by its reader
+            await self.outputs.aclose()
+        self.release()  # a run that never started never ran its finally
 
-    async def _merge(
-        self, runs: list[tuple[int, AsyncIterator[RequestOutput]]], firsts: list[RequestOutput]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+
+class _Runs:
+    """All choices of a request: started together, their outputs merged, closed together (which aborts
+    the ones still running)."""
+
+    def __init__(self, server: OpenAIServer, runs: list[_EngineRun]) -> None:
+        self.server, self.runs = server, runs
+        self._merged: AsyncIterator[tuple[int, RequestOutput]] | None = None
+
+    async def start(self) -> None:
+        """Submit every choice at once and wait for each one's first output, so that a refusal raises
+        before a streamed response has begun."""
+        results = await asyncio.gather(*(anext(run.outputs) for run in self.runs), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            await self.close()
+            raise failure
+        self._merged = self._merge(results)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if self._merged is None:
+            raise RuntimeError("start() the runs first")
+        return self._merged
+
+    async def _merge(self, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int, first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> None:
+        async def pump(run: _EngineRun, first: RequestOutput) -> None:
             try:
-                await queue.put((index, first))
+                await queue.put((run.index, first))
                 if not first.finished:
-                    async for output in outputs:
-                        await queue.put((index, output))
-                await queue.put((index, None))
+                    async for output in run.outputs:
+                        await queue.put((run.index, output))
+                await queue.put((run.index, None))
             except asyncio.CancelledError:
                 raise
             except BaseException as error:
-                await queue.put((index, error))
-            finally:
-                await outputs.aclose()
+                await queue.put((run.index, error))
 
-        tasks = [asyncio.create_task(pump(i, f, o)) for (i, o), f in zip(runs, firsts, strict=True)]
+        tasks = [asyncio.create_task(pump(run, first)) for run, first in zip(self.runs, firsts, strict=True)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -283,9 +326,32 @@ class OpenAIServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def close(self) -> None:
+        if self._merged is not None:
+            with contextlib.suppress(RuntimeError):
+                await self._merged.aclose()
+        for run in self.runs:
+            await run.close()
 
-async def _until_disconnected(request: Request, work: Any) -> Any:
-    """Await `work` (a coroutine); if the client goes away first, cancel it (which aborts its requests)."""
+
+class _StreamingResponse(StreamingResponse):
+    """Closes the request's runs however the response ends: finished, failed, or the client gone (even
+    before the body started)."""
+
+    def __init__(self, body: AsyncIterator[str], runs: _Runs) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.runs = runs
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.runs.close()
+
+
+async def _until_disconnected(request: Request, work: Any, runs: _Runs) -> Any:
+    """Await `work` (a coroutine); if the client goes away first, or `work` fails, close the runs (which
+    aborts their engine requests)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -293,13 +359,13 @@ async def _until_disconnected(request: Request, work: Any) -> Any:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
                 raise OpenAIError(499, "The client disconnected.")
-    finally:
-        if not task.done():
-            task.cancel()
+    except BaseException:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await runs.close()
+        raise
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -329,6 +395,7 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
         try:
             model = load()
             server.structured = StructuredOutput(model.tokenizer, model.vocab_size, model.eos_token_id)
+            server.structured.prepare()  # seconds: done here, not on the first structured request
             server.model = model
             logger.info("Serving %s", settings.served_model_name)
         except BaseException as error:
@@ -359,7 +426,8 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
 
     @app.get("/health")
     async def health() -> Response:
-        server.ready()
+        if not server.ready().engine.alive:
+            raise OpenAIError(503, "The engine loop has stopped: restart the server.")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -442,12 +510,16 @@ def _completion_logprobs(tokenizer: Any, choice: _Choice, offset: int) -> dict[s
     for text in tokens:
         offsets.append(position)
         position += len(text)
+    # One entry per token; with logprobs=0, just the chosen token's (as vLLM).
+    tops = choice.top_logprobs or [{} for _ in tokens]
+    top_logprobs = [
+        {tokenizer.decode([t]): value for t, value in top.items()} or {text: value}
+        for top, text, value in zip(tops, tokens, choice.logprobs, strict=True)
+    ]
     return {
         "tokens": tokens,
         "token_logprobs": choice.logprobs,
-        "top_logprobs": [
-            {tokenizer.decode([t]): value for t, value in top.items()} for top in choice.top_logprobs
-        ],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
@@ -470,14 +542,15 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
     server.admit(len(prompts) * body.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices, runs = [], []
+    choices, specs = [], []
     for p, prompt_ids in enumerate(prompts):
         for j in range(body.n):
             index = p * body.n + j
             params = server.sampling_params(body, len(prompt_ids), body.max_tokens, body.logprobs, j)
-            constraint = server.response_constraint(body, None)
+            constraint = await asyncio.to_thread(server.response_constraint, body, None)
             choices.append(_Choice(index, prompt_ids))
-            runs.append((index, server._run(prompt_ids, params, constraint, f"{rid}-{index}")))
+            specs.append((index, prompt_ids, params, constraint, f"{rid}-{index}"))
+    runs = server.run_group(specs)
     tokenizer = model.tokenizer
 
     def echo_text(choice: _Choice) -> str:
@@ -504,14 +577,14 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
         )
 
     if body.stream:
-        merged = await server.stream_choices(runs)
+        await _until_disconnected(request, runs.start(), runs)
 
         async def events() -> AsyncIterator[str]:
             try:
                 if body.echo:
                     for choice in choices:
                         yield _sse(chunk([_completion_choice(choice.index, echo_text(choice), None, None)]))
-                async for index, output in merged:
+                async for index, output in runs:
                     choice = choices[index]
                     offset = len(echo_text(choice)) + len(choice.text)
                     before = len(choice.token_ids)
@@ -528,19 +601,16 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
                     yield _sse(chunk([], usage()))
             except Exception as error:
                 yield _stream_error(error)
-            finally:
-                await merged.aclose()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _StreamingResponse(events(), runs)
 
     async def collect() -> None:
-        merged = await server.stream_choices(runs)
-        async with contextlib.aclosing(merged):
-            async for index, output in merged:
-                choices[index].add(output)
+        await runs.start()
+        async for index, output in runs:
+            choices[index].add(output)
 
-    await _until_disconnected(request, collect())
+    await _until_disconnected(request, collect(), runs)
     payloads = []
     for choice in choices:
         logprobs = None
@@ -601,7 +671,8 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
     choice_kind = body.tool_choice or ("auto" if tools else "none")
     forced_name = None
     if isinstance(choice_kind, dict):
-        forced_name = (choice_kind.get("function") or {}).get("name")
+        function = choice_kind.get("function")
+        forced_name = function.get("name") if isinstance(function, dict) else None
         if forced_name not in {t["function"]["name"] for t in tools}:
             raise bad_request(
                 f"tool_choice names {forced_name!r}, which is not one of the tools.", "tool_choice"
@@ -626,16 +697,19 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
         raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    choices, parsers, runs = [], [], []
+    choices, parsers, specs = [], [], []
     for j in range(body.n):
         params = server.sampling_params(body, len(prompt_ids), max_tokens, top if body.logprobs else None, j)
         if choice_kind in ("required", "named"):
-            constraint = server.structured.lark_constraint(forced_tool_grammar(tools, forced_name), gate)
+            server.check_grammar_fields(body)
+            grammar = forced_tool_grammar(tools, forced_name)
+            constraint = await asyncio.to_thread(server.structured.lark_constraint, grammar, gate)
         else:
-            constraint = server.response_constraint(body, gate)
+            constraint = await asyncio.to_thread(server.response_constraint, body, gate)
         choices.append(_Choice(j, prompt_ids))
         parsers.append(ChatOutputParser(in_reasoning, shown_tools if choice_kind != "none" else None))
-        runs.append((j, server._run(prompt_ids, params, constraint, f"{rid}-{j}")))
+        specs.append((j, prompt_ids, params, constraint, f"{rid}-{j}"))
+    runs = server.run_group(specs)
     name = server.settings.served_model_name
 
     def finish_reason(j: int) -> str | None:
@@ -655,14 +729,14 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
         return payload
 
     if body.stream:
-        merged = await server.stream_choices(runs)
+        await _until_disconnected(request, runs.start(), runs)
 
         async def events() -> AsyncIterator[str]:
             try:
                 for j in range(body.n):
                     first = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
                     yield _sse(chunk([{**first, "finish_reason": None}]))
-                async for j, output in merged:
+                async for j, output in runs:
                     choice = choices[j]
                     before = len(choice.token_ids)
                     choice.add(output)
@@ -691,19 +765,16 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
                     yield _sse(chunk([], usage()))
             except Exception as error:
                 yield _stream_error(error)
-            finally:
-                await merged.aclose()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _StreamingResponse(events(), runs)
 
     async def collect() -> None:
-        merged = await server.stream_choices(runs)
-        async with contextlib.aclosing(merged):
-            async for j, output in merged:
-                choices[j].add(output)
+        await runs.start()
+        async for j, output in runs:
+            choices[j].add(output)
 
-    await _until_disconnected(request, collect())
+    await _until_disconnected(request, collect(), runs)
     payloads = []
     for j, choice in enumerate(choices):
         delta = parsers[j].feed(choice.text)

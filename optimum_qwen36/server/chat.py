@@ -21,7 +21,13 @@ def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
         message["reasoning_content"] = message["reasoning"]
     calls = []
     for number, call in enumerate(message.get("tool_calls") or []):
-        function = dict((call or {}).get("function") or {})
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(
+                f"messages[{index}].tool_calls[{number}] must be an object with a 'function' object.",
+                f"messages.{index}.tool_calls.{number}",
+            )
+        function = dict(function)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:

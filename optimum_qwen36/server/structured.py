@@ -7,6 +7,7 @@ With thinking on, the grammar starts after `</think>`: the reasoning is free tex
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from .errors import bad_request
+
+logger = logging.getLogger(__name__)
 
 try:
     import llguidance
@@ -40,19 +43,27 @@ class GrammarConstraint:
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         if not self._open:
             return None
-        if self.matcher.is_error():  # cannot happen with the mask applied; end the request, not the engine
-            only_eos = torch.zeros(vocab_size, dtype=torch.bool)
-            only_eos[self.eos_token_id] = True
-            return only_eos
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        words = self._bitmask[0]
-        return ((words[:, None] >> self._bits) & 1).bool().flatten()[:vocab_size]
+        try:
+            if not self.matcher.is_error():
+                llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+                words = self._bitmask[0]
+                allowed = ((words[:, None] >> self._bits) & 1).bool().flatten()[:vocab_size]
+                if allowed.any():
+                    return allowed
+        except Exception:  # a matcher failure ends this request, never the engine's step
+            logger.exception("The grammar matcher failed: ending the request")
+        only_eos = torch.zeros(vocab_size, dtype=torch.bool)
+        only_eos[self.eos_token_id] = True
+        return only_eos
 
     def accept(self, token_id: int) -> None:
         if not self._open:
             self._open = token_id == self.gate_token_id
             return
-        self.matcher.consume_token(token_id)
+        try:
+            self.matcher.consume_token(token_id)
+        except Exception:  # allowed_tokens then allows only EOS
+            logger.exception("The grammar matcher failed on token %d", token_id)
 
 
 class StructuredOutput:
@@ -68,6 +79,11 @@ class StructuredOutput:
     @property
     def available(self) -> bool:
         return llguidance is not None
+
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now (it takes seconds)."""
+        if self.available:
+            self._tokenizer()
 
     def _tokenizer(self) -> Any:
         with self._lock:

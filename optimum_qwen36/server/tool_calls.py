@@ -66,6 +66,10 @@ def _types(schema: dict[str, Any] | None) -> list[str]:
     return [k for option in schema.get("anyOf", schema.get("oneOf", [])) for k in _types(option)]
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's text as the value its JSON schema declares (the text itself when it is a string, the
     schema says nothing, or the text does not parse as the declared type)."""
@@ -74,7 +78,7 @@ def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
         if kind == "string":
             continue
         try:
-            value = json.loads(text)
+            value = json.loads(text, parse_constant=_refuse_constant)  # NaN / Infinity are not JSON
         except ValueError:
             if kind == "boolean" and text.strip().lower() in ("true", "false"):
                 return text.strip().lower() == "true"
@@ -108,6 +112,7 @@ class ToolCallParser:
         self._inside = False
         self._name: str | None = None  # the current call's function, once its header is parsed
         self._num_arguments = 0
+        self._text_after_call = False
         self.calls: list[ToolCall] = []
 
     @property
@@ -133,8 +138,12 @@ class ToolCallParser:
         return parse
 
     def _outside(self, text: str) -> str:
-        # Between and after calls the template's format leaves only newlines: they are not an answer.
-        return "" if self.calls and not text.strip() else text
+        # After a call the template's format leaves newlines (before the next call, or the end): they are
+        # not an answer; text after them is.
+        if self.calls and not self._text_after_call:
+            text = text.lstrip()
+            self._text_after_call = bool(text)
+        return text
 
     def _parse_call(self, text: str, parse: ToolParse) -> str:
         """Consume what is complete of the current call; returns the text after it once it ended ('' while
@@ -175,6 +184,7 @@ class ToolCallParser:
     def _close(self, parse: ToolParse) -> None:
         self._arguments(parse, "}" if self._num_arguments else "{}")
         self._inside, self._name, self._num_arguments = False, None, 0
+        self._text_after_call = False
 
     def finish(self) -> ToolParse:
         parse = ToolParse()
