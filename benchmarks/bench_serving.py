@@ -6,9 +6,10 @@ Workloads (every request greedy, `ignore_eos`, so each side computes the same nu
 random token ids of `--prompt-tokens MIN MAX` from a fixed seed, `--output-tokens` new tokens each):
 - `poisson@R`: `--requests` requests arriving at R requests/s (`--rates`);
 - `concurrency@C`: `--requests` requests, C in flight at any time (`--concurrency`);
-- `multi-turn`: `--conversations` chats of `--turns` turns; each turn sends the history (earlier user
-  messages and the answers the server gave) plus a new user message of `--turn-tokens` random words: the
-  prefix cache should serve all but the new part. TTFT of the first turn (cold) against later turns (warm).
+- `multi-turn`: `--conversations` chats of `--turns` turns, one after another: a first message of
+  `--first-turn-tokens` random words, then follow-ups of `--turn-tokens`; each turn sends the history
+  (earlier messages and the answers the server gave). TTFT of each later turn (warm: the history is in the
+  prefix cache) against the same prompt under another system message (cold: same length, nothing cached).
 Per workload and server: request and output throughput, TTFT, inter-token latency (gaps between streamed
 tokens), TPOT (per request: (last - first token) / (tokens - 1)) and end-to-end latency, p50 / p99; prompt
 tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`). Each workload is run
@@ -120,10 +121,11 @@ class Client:
         )  # fmt: skip
         return await self._consume(stream, timeline, chat=False)
 
-    async def chat(self, messages: list[dict]) -> Timeline:
+    async def chat(self, messages: list[dict], max_tokens: int | None = None) -> Timeline:
         timeline = Timeline(self.now())
         stream = await self.api.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=self.output_tokens, temperature=0, stream=True,
+            model=self.model, messages=messages, max_tokens=max_tokens or self.output_tokens, temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
         )  # fmt: skip
@@ -162,25 +164,27 @@ async def concurrency(client: Client, work: list[list[int]], limit: int) -> tupl
 
 
 async def multi_turn(client: Client, args: argparse.Namespace, seed: int) -> tuple[dict, float]:
-    """Conversations run side by side; returns the timelines of the first turns (cold) and the rest."""
+    """Conversations one after another: a first message of `--first-turn-tokens` words (a document),
+    then follow-ups of `--turn-tokens` words. Each later turn is sent twice: as the conversation goes on
+    (`warm`: the prefix cache holds the history), then the same prompt under another system message
+    (`cold`: same length, no block of it cached)."""
     rng = random.Random(seed)
     words = ["alpha", "river", "stone", "cloud", "ember", "quartz", "meadow", "signal", "harbor", "violet"]
     client.connect()
-
-    async def conversation(index: int) -> list[Timeline]:
-        history: list[dict] = [{"role": "system", "content": f"Conversation {index}."}]
-        turns = []
-        for _ in range(args.turns):
-            message = " ".join(rng.choice(words) for _ in range(args.turn_tokens))
-            history.append({"role": "user", "content": message})
+    warm, cold = [], []
+    for index in range(args.conversations):
+        history: list[dict] = [{"role": "system", "content": f"Conversation {seed}-{index}."}]
+        for turn in range(args.turns):
+            size = args.first_turn_tokens if turn == 0 else args.turn_tokens
+            history.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(size))})
             timeline = await client.chat(history)
             history.append({"role": "assistant", "content": timeline.text})
-            turns.append(timeline)
-        return turns
-
-    chats = await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
+            if turn:
+                warm.append(timeline)
+                salted = [{"role": "system", "content": f"Unseen {rng.random()}."}, *history[1:-1]]
+                cold.append(await client.chat(salted, max_tokens=1))
     await client.api.close()
-    return {"cold": [c[0] for c in chats], "warm": [t for c in chats for t in c[1:]]}, client.now()
+    return {"warm": warm, "cold": cold}, client.now()
 
 
 def free_port() -> int:
@@ -234,6 +238,7 @@ def run_workloads(client: Client, args: argparse.Namespace, vocab: int, seed: in
             "ttft_warm_p50_s": warm["ttft_p50_s"],
             "warm_over_cold_ttft": warm["ttft_p50_s"] / cold["ttft_p50_s"],
             "prefix_hit_rate_warm": warm["prefix_hit_rate"],
+            "prefix_hit_rate_cold": cold["prefix_hit_rate"],
         }
     return out
 
@@ -254,8 +259,9 @@ def table(report: dict) -> str:
             elif workload == "multi-turn":
                 lines.append(
                     f"| {workload} | {server} | TTFT p50 cold {fmt(m['ttft_cold_p50_s'], 2)} s, warm "
-                    f"{fmt(m['ttft_warm_p50_s'], 2)} s, warm / cold {fmt(m['warm_over_cold_ttft'], 2)}, "
-                    f"warm prefix hits {fmt(m['prefix_hit_rate_warm'], 2)} | | | | |"
+                    f"{fmt(m['ttft_warm_p50_s'], 2)} s, warm / cold {fmt(m['warm_over_cold_ttft'], 2)}; "
+                    f"prompt tokens from the prefix cache: warm {fmt(m['prefix_hit_rate_warm'], 2)}, cold "
+                    f"{fmt(m['prefix_hit_rate_cold'], 2)} | | | | |"
                 )
             else:
                 ms = {k: _scaled(m[k], 1e3) for k in ("itl_p50_s", "itl_p99_s", "tpot_p99_s")}
@@ -309,7 +315,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8, 16])
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=64, help="words in each new user message")
+    parser.add_argument("--first-turn-tokens", type=int, default=1024, help="words of the first message")
+    parser.add_argument("--turn-tokens", type=int, default=32, help="words of each follow-up message")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-cache-dir", type=Path)
