@@ -368,6 +368,17 @@ async def _until_disconnected(request: Request, work: Any, runs: _Runs) -> Any:
         raise
 
 
+async def _collect(request: Request, runs: _Runs, choices: list[_Choice]) -> None:
+    """A non-streamed response: every choice's outputs, gathered (a disconnect aborts them)."""
+
+    async def collect() -> None:
+        await runs.start()
+        async for index, output in runs:
+            choices[index].add(output)
+
+    await _until_disconnected(request, collect(), runs)
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -504,21 +515,22 @@ def _completion_prompts(server: OpenAIServer, body: CompletionRequest) -> list[l
     return ids
 
 
-def _completion_logprobs(tokenizer: Any, choice: _Choice, offset: int) -> dict[str, Any]:
-    tokens = [tokenizer.decode([t]) for t in choice.token_ids]
+def _completion_logprobs(
+    tokenizer: Any, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], offset: int
+) -> dict[str, Any]:
+    tokens = [tokenizer.decode([t]) for t in token_ids]
     offsets, position = [], offset
     for text in tokens:
         offsets.append(position)
         position += len(text)
     # One entry per token; with logprobs=0, just the chosen token's (as vLLM).
-    tops = choice.top_logprobs or [{} for _ in tokens]
     top_logprobs = [
         {tokenizer.decode([t]): value for t, value in top.items()} or {text: value}
-        for top, text, value in zip(tops, tokens, choice.logprobs, strict=True)
+        for top, text, value in zip(tops or [{} for _ in tokens], tokens, logprobs, strict=True)
     ]
     return {
         "tokens": tokens,
-        "token_logprobs": choice.logprobs,
+        "token_logprobs": logprobs,
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
@@ -591,9 +603,13 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
                     choice.add(output)
                     logprobs = None
                     if body.logprobs is not None:
-                        piece = _Choice(index, [], choice.token_ids[before:], choice.logprobs[before:])
-                        piece.top_logprobs = choice.top_logprobs[before:]
-                        logprobs = _completion_logprobs(tokenizer, piece, offset)
+                        logprobs = _completion_logprobs(
+                            tokenizer,
+                            choice.token_ids[before:],
+                            choice.logprobs[before:],
+                            choice.top_logprobs[before:],
+                            offset,
+                        )
                     if output.text_delta or output.finished or logprobs:
                         payload = _completion_choice(index, output.text_delta, logprobs, choice.finish_reason)
                         yield _sse(chunk([payload]))
@@ -605,17 +621,14 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
 
         return _StreamingResponse(events(), runs)
 
-    async def collect() -> None:
-        await runs.start()
-        async for index, output in runs:
-            choices[index].add(output)
-
-    await _until_disconnected(request, collect(), runs)
+    await _collect(request, runs, choices)
     payloads = []
     for choice in choices:
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(tokenizer, choice, len(echo_text(choice)))
+            logprobs = _completion_logprobs(
+                tokenizer, choice.token_ids, choice.logprobs, choice.top_logprobs, len(echo_text(choice))
+            )
         text = echo_text(choice) + choice.text
         payloads.append(_completion_choice(choice.index, text, logprobs, choice.finish_reason))
     return JSONResponse(chunk(payloads, usage()))
@@ -769,12 +782,7 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
 
         return _StreamingResponse(events(), runs)
 
-    async def collect() -> None:
-        await runs.start()
-        async for j, output in runs:
-            choices[j].add(output)
-
-    await _until_disconnected(request, collect(), runs)
+    await _collect(request, runs, choices)
     payloads = []
     for j, choice in enumerate(choices):
         delta = parsers[j].feed(choice.text)
