@@ -10,7 +10,13 @@ Measures, in one run:
 - decode tok/s at batch 1 and at the compiled batch: `generate(max_new_tokens=decode_steps + 1)`, greedy,
   no EOS, on both sides; a streamer timestamps every new token, and the rate is rows x decode_steps over the
   time from the first new token (after prefill) to the last, so prefill time does not enter it;
-- the device's read bandwidth and the batch-1 decode roofline (bytes of weights read per token / bandwidth).
+- the device's read bandwidth and the batch-1 decode roofline (bytes of weights read per token / bandwidth);
+- with `--fp8 mlp linear`: the same model with those linear layers quantized to FP8 at export (same compute
+  dtype), each with its weight bytes and the resident memory its load added, measured in the same rounds;
+- with `--llama-bench BIN --gguf q8_0=FILE ...` (or $LLAMA_BENCH): llama.cpp's `llama-bench` on GGUF files
+  of the same checkpoint (prefill at the same prompt lengths, decode of --decode-steps tokens, batch 1, same
+  threads); without them the JSON and the table say it was skipped. `--write-checkpoint DIR` writes the
+  default random checkpoint (with tokenizer files) for the GGUF converter and exits.
 Every figure is `--repeats` runs after a warm-up, ours and transformers alternated run by run (both see the
 same machine load); the JSON keeps every run and min / median / max; the median is the headline figure.
 
@@ -22,6 +28,9 @@ heads of 256, 16/16 GDN heads of 128, vocab 248320, tied embeddings).
         --repeats 3 --prefill-chunk-size 64 --output /tmp/bench_generate.json                  # a smoke run
     python benchmarks/bench_generate.py --model PATH_OR_ID   # a real checkpoint
     python benchmarks/bench_generate.py --backend cuda       # on a GPU (.ci/device_check runs it)
+    python benchmarks/bench_generate.py --write-checkpoint /tmp/ckpt   # then: peers/to_gguf.sh /tmp/ckpt q8_0
+    python benchmarks/bench_generate.py --model /tmp/ckpt --dtype float32 --fp8 mlp linear \
+        --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=...  # FP8 and llama.cpp side by side
 
 Writes benchmarks/results/bench_generate.json and .png (or --output and its .png) and prints a table.
 """
@@ -33,6 +42,8 @@ import json
 import logging
 import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +56,7 @@ from timing import alternate, fmt, machine, paired_ratios, rates, spread, wall
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS, THEIRS = "ours", "transformers eager"
@@ -150,7 +162,9 @@ class CompileLog(logging.Handler):
         }
 
 
-def export(checkpoint: str, args: argparse.Namespace, cache_dir: Path | None) -> tuple[object, float, dict]:
+def export(
+    checkpoint: str, args: argparse.Namespace, cache_dir: Path | None, **quantization: str
+) -> tuple[object, float, dict]:
     """One `from_pretrained(export=True)`: (model, seconds, what the compile log says)."""
     log = CompileLog()
     logger = logging.getLogger("optimum_qwen36")
@@ -168,6 +182,7 @@ def export(checkpoint: str, args: argparse.Namespace, cache_dir: Path | None) ->
             sequence_length=max(args.prompt_lengths) + args.decode_steps + 16,
             prefill_chunk_size=args.prefill_chunk_size,
             compile_cache_dir=cache_dir,
+            **quantization,
         )
         seconds = time.perf_counter() - start
     finally:
@@ -210,10 +225,44 @@ def measure_export(checkpoint: str, args: argparse.Namespace, scratch: Path) -> 
     return model, report
 
 
-def prefill_measures(ours, reference, length: int) -> dict[str, Callable[[], float]]:
-    ids = prompts(length, 1, ours.config.vocab_size)
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def export_fp8_variants(
+    checkpoint: str, args: argparse.Namespace, cache_dir: Path | None
+) -> tuple[dict[str, object], dict]:
+    """The model with each --fp8 set of linear layers quantized at export: (models by name, per-variant
+    export seconds and the resident memory its load added)."""
+    models, report = {}, {}
+    for fp8_modules in args.fp8:
+        before = resident_bytes()
+        model, seconds, log = export(checkpoint, args, cache_dir, quantization="fp8", fp8_modules=fp8_modules)
+        model.generation_config.eos_token_id = None
+        name = f"optimum-qwen36 {args.backend} fp8 {fp8_modules}"
+        models[name] = model
+        report[name] = {
+            "export_s": seconds,
+            "compiled": log["compiled"],
+            "rss_added_bytes": resident_bytes() - before,
+        }
+    return models, report
+
+
+def prefill_measures(systems: dict, reference, length: int) -> dict[str, Callable[[], float]]:
+    first = next(iter(systems.values()))
+    ids = prompts(length, 1, first.config.vocab_size)
     mask = torch.ones_like(ids)
-    measures = {OURS: wall(lambda: ours.generate(ids, attention_mask=mask, max_new_tokens=1, **GREEDY))}
+
+    def ours(model) -> Callable[[], float]:
+        return wall(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **GREEDY))
+
+    measures = {name: ours(model) for name, model in systems.items()}
     if reference is not None:
         ref_ids = ids.to(reference.device)
 
@@ -226,8 +275,8 @@ def prefill_measures(ours, reference, length: int) -> dict[str, Callable[[], flo
     return measures
 
 
-def decode_measures(ours, reference, rows: int, steps: int) -> dict[str, Callable[[], float]]:
-    ids = prompts(16, rows, ours.config.vocab_size)
+def decode_measures(systems: dict, reference, rows: int, steps: int) -> dict[str, Callable[[], float]]:
+    ids = prompts(16, rows, next(iter(systems.values())).config.vocab_size)
 
     def measure(model, ids: torch.Tensor) -> Callable[[], float]:
         def run() -> float:
@@ -244,34 +293,74 @@ def decode_measures(ours, reference, rows: int, steps: int) -> dict[str, Callabl
 
         return run
 
-    measures = {OURS: measure(ours, ids)}
+    measures = {name: measure(model, ids) for name, model in systems.items()}
     if reference is not None:
         measures[THEIRS] = measure(reference, ids.to(reference.device))
     return measures
 
 
-def run_benchmarks(ours, reference, args: argparse.Namespace) -> tuple[dict, dict]:
-    """(results per system: prefill_tok_s / decode_tok_s per length / batch as spreads, speed-ups)."""
-    names = {OURS: f"optimum-qwen36 {args.backend}", THEIRS: THEIRS}
-    results: dict = {names[side]: {"prefill_tok_s": {}, "decode_tok_s": {}} for side in (OURS, THEIRS)}
+def run_benchmarks(systems: dict, reference, args: argparse.Namespace) -> tuple[dict, dict]:
+    """(results per system: prefill_tok_s / decode_tok_s per length / batch as spreads, speed-ups of each of
+    our systems over transformers and of each FP8 variant over the unquantized model, per round)."""
+    results: dict = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in (*systems, THEIRS)}
+    main, *variants = systems
+    pairs = [(name, THEIRS) for name in systems] + [(name, main) for name in variants]
     speedup: dict = {}
     work = []
     for length in args.prompt_lengths:
-        work.append((f"prefill {length}", "prefill_tok_s", str(length), length, (ours, reference, length)))
+        work.append((f"prefill {length}", "prefill_tok_s", str(length), length, (systems, reference, length)))
     for rows in sorted({1, args.batch_size}):
         tokens = rows * args.decode_steps
-        work.append((f"decode batch {rows}", "decode_tok_s", str(rows), tokens, (ours, reference, rows)))
+        work.append((f"decode batch {rows}", "decode_tok_s", str(rows), tokens, (systems, reference, rows)))
     for label, metric, key, tokens, setup in work:
         make = prefill_measures if metric == "prefill_tok_s" else decode_measures
         measures = make(*setup) if make is prefill_measures else make(*setup, args.decode_steps)
         runs = alternate(measures, args.repeats)
         for side, seconds in runs.items():
-            results[names[side]][metric][key] = rates(tokens, seconds)
-        if THEIRS in runs:
-            speedup[label] = paired_ratios(runs[THEIRS], runs[OURS])  # time theirs / time ours
-        cells = [f"{names[side]} {fmt(results[names[side]][metric][key])} tok/s" for side in runs]
+            results[side][metric][key] = rates(tokens, seconds)
+        for faster, slower in pairs:
+            if faster in runs and slower in runs:  # time slower / time faster
+                speedup.setdefault(f"{faster} / {slower}", {})[label] = paired_ratios(
+                    runs[slower], runs[faster]
+                )
+        cells = [f"{side} {fmt(results[side][metric][key])} tok/s" for side in runs]
         print(f"{label}: " + ", ".join(cells), flush=True)
     return {name: r for name, r in results.items() if r["prefill_tok_s"]}, speedup
+
+
+def llama_bench(binary: str, label: str, gguf: str, args: argparse.Namespace) -> dict:
+    """llama-bench's prefill (-p) and decode (-n) rates on one GGUF, as spreads of its repetitions."""
+    command = [
+        binary, "-m", gguf, "-p", ",".join(map(str, args.prompt_lengths)), "-n", str(args.decode_steps),
+        "-t", str(torch.get_num_threads()), "-r", str(args.repeats), "-o", "json",
+    ]  # fmt: skip
+    print(f"llama.cpp {label}: {' '.join(command)}", flush=True)
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    result: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "command": " ".join(command)}
+    for test in json.loads(out):
+        samples = spread(test["samples_ts"])
+        if test["n_gen"] == 0:
+            result["prefill_tok_s"][str(test["n_prompt"])] = samples
+        else:
+            result["decode_tok_s"]["1"] = samples
+    return result
+
+
+def run_llama_cpp(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(results by system name, why each requested or possible peer run was skipped)."""
+    if not args.llama_bench or not Path(args.llama_bench).is_file():
+        reason = f"llama-bench not found at {args.llama_bench!r}" if args.llama_bench else "no --llama-bench"
+        return {}, {"llama.cpp": f"skipped: {reason} (nor $LLAMA_BENCH); ../shared/peers/ builds it"}
+    results, skipped = {}, {}
+    for spec in args.gguf:
+        label, _, path = spec.partition("=")
+        if not Path(path).is_file():
+            skipped[f"llama.cpp {label}"] = f"skipped: no GGUF file at {path!r}"
+            continue
+        results[f"llama.cpp {label}"] = llama_bench(args.llama_bench, label, path, args)
+    if not args.gguf:
+        skipped["llama.cpp"] = "skipped: no --gguf LABEL=FILE given"
+    return results, skipped
 
 
 def table(report: dict) -> str:
@@ -288,10 +377,13 @@ def table(report: dict) -> str:
         "| --- |" + " --- |" * len(columns),
     ]
     for name, r in results.items():
-        lines.append(f"| {name} | " + " | ".join(fmt(r[m][k]) for m, k, _ in columns) + " |")
-    if report["speedup"]:
-        cells = [fmt(report["speedup"][label], 2, "x") for *_, label in columns]
-        lines.append("| speed-up (ours / transformers, per round) | " + " | ".join(cells) + " |")
+        cells = [fmt(r[m][k]) if k in r[m] else "-" for m, k, _ in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for pair, ratios in report["speedup"].items():
+        cells = [fmt(ratios[label], 2, "x") if label in ratios else "-" for *_, label in columns]
+        lines.append(f"| speed-up {pair} (per round) | " + " | ".join(cells) + " |")
+    for name, reason in report["skipped"].items():
+        lines.append(f"| {name} | {reason} |" + " |" * (len(columns) - 1))
     return "\n".join(lines)
 
 
@@ -307,10 +399,15 @@ def chart(report: dict, path: Path) -> None:
         keys = list(report["results"][systems[0]][metric])
         width = 0.8 / len(systems)
         for i, system in enumerate(systems):
-            cells = [report["results"][system][metric][k] for k in keys]
+            cells = [report["results"][system][metric].get(k) for k in keys]
+            if None in cells:  # llama-bench decodes one row only
+                keys_here = [k for k, c in zip(keys, cells, strict=True) if c is not None]
+                cells = [c for c in cells if c is not None]
+            else:
+                keys_here = keys
             medians = [c["median"] for c in cells]
             errors = [[c["median"] - c["min"] for c in cells], [c["max"] - c["median"] for c in cells]]
-            xs = [j + i * width for j in range(len(keys))]
+            xs = [keys.index(k) + i * width for k in keys_here]
             axis.bar(xs, medians, width, yerr=errors, capsize=3, label=system)
         axis.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(keys))])
         label = "prompt tokens" if metric == "prefill_tok_s" else "batch"
@@ -318,9 +415,8 @@ def chart(report: dict, path: Path) -> None:
         axis.set_ylabel(f"tokens / s (median, min-max of {report['repeats']})")
         where = report["device"] if report["backend"] == "cuda" else f"{report['machine']['threads']} threads"
         axis.set_title(f"{title} ({report['dtype']}, {where})")
-    right.axhline(
-        report["decode_roofline_tok_s"]["median"], color="k", linestyle="--", label="batch-1 roofline"
-    )
+    for name, roofline in report["decode_roofline_tok_s"].items():
+        right.axhline(roofline["median"], linestyle="--", linewidth=0.8, label=f"batch-1 roofline, {name}")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -348,12 +444,32 @@ def main() -> None:
         "--export-loads", type=int, default=3, help="exports timed after the first (cache hits)"
     )
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--fp8",
+        nargs="*",
+        default=[],
+        choices=("mlp", "linear"),
+        help="FP8 variants to run beside (fp8_modules)",
+    )
+    parser.add_argument(
+        "--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama.cpp's llama-bench ($LLAMA_BENCH)"
+    )
+    parser.add_argument(
+        "--gguf", action="append", default=[], metavar="LABEL=FILE", help="a GGUF of --model for llama-bench"
+    )
+    parser.add_argument("--write-checkpoint", type=Path, help="write the random checkpoint here and exit")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_generate.json")
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
+    if args.write_checkpoint:
+        random_checkpoint(args.write_checkpoint, args.layers, dtype)
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the GGUF converter needs them
+            shutil.copyfile(SHIPPED_TOKENIZER_DIR / name, args.write_checkpoint / name)
+        print(f"wrote {args.write_checkpoint}")
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         phase = time.perf_counter()
@@ -363,16 +479,23 @@ def main() -> None:
         ours, export_report = measure_export(checkpoint, args, Path(tmp))
         phases["export_s"] = time.perf_counter() - phase
         ours.generation_config.eos_token_id = None  # random weights: never stop early
+        systems = {f"optimum-qwen36 {args.backend}": ours}
+        fp8_models, fp8_report = export_fp8_variants(
+            checkpoint, args, args.compile_cache_dir or Path(tmp) / "compile-cache"
+        )
+        systems.update(fp8_models)
         device = ours.backend.device
         bandwidth = read_bandwidth_gbs(device, args.repeats)
-        per_token = weight_bytes_per_token(ours.model)
+        per_token = {name: weight_bytes_per_token(model.model) for name, model in systems.items()}
         reference = None
         if not args.skip_transformers:
             reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
             reference.generation_config.eos_token_id = None
         phase = time.perf_counter()
-        results, speedup = run_benchmarks(ours, reference, args)
+        results, speedup = run_benchmarks(systems, reference, args)
         phases["benchmarks_s"] = time.perf_counter() - phase
+        peers, skipped = run_llama_cpp(args)
+        results.update(peers)
         parameters = sum(p.numel() for p in ours.model.parameters())
     report = {
         "command": " ".join(
@@ -402,20 +525,29 @@ def main() -> None:
             },
             "decode": "generate(max_new_tokens=decode_steps + 1), greedy, no EOS, the same 16-token prompts "
             "on both sides; rate = rows * decode_steps / (time of the last new token - time of the first)",
+            "llama.cpp": "llama-bench -p <prompt lengths> -n <decode steps> -t <threads> -r <repeats>, run "
+            "right after ours (not alternated): pp = prompt tokens / s for one sequence (logits of the last "
+            "token), tg = tokens / s generating from an empty context, one row",
         },
         "export": export_report,
         "read_bandwidth_gb_s": bandwidth,
         "weight_bytes_per_token": per_token,
-        "decode_roofline_tok_s": {k: v * 1e9 / per_token for k, v in bandwidth.items() if k != "runs"},
+        # Batch-1 decode roofline of each of our systems: its weight bytes read per token / read bandwidth.
+        "decode_roofline_tok_s": {
+            name: {k: v * 1e9 / size for k, v in bandwidth.items() if k != "runs"}
+            for name, size in per_token.items()
+        },
+        "fp8_variants": fp8_report,
         "results": results,
         "speedup": speedup,
+        "skipped": skipped,
         "phase_seconds": {**phases, "total_s": time.perf_counter() - started},
     }
-    ours_b1 = results[f"optimum-qwen36 {args.backend}"]["decode_tok_s"].get("1")
-    if ours_b1:
-        report["decode_batch1_fraction_of_roofline"] = (
-            ours_b1["median"] / report["decode_roofline_tok_s"]["median"]
-        )
+    report["decode_batch1_fraction_of_roofline"] = {
+        name: results[name]["decode_tok_s"]["1"]["median"] / roofline["median"]
+        for name, roofline in report["decode_roofline_tok_s"].items()
+        if "1" in results[name]["decode_tok_s"]
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     chart(report, args.output.with_suffix(".png"))

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .neuron_config import NEURON_CONFIG_NAME, SUPPORTED_BACKENDS, SUPPORTED_DTYPES
+from .neuron_config import NEURON_CONFIG_NAME, SUPPORTED_BACKENDS, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +45,18 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=sorted(SUPPORTED_DTYPES), default=None, help="default: checkpoint's"
     )
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="tokens per prefill step")
+    parser.add_argument(
+        "--quantization",
+        choices=SUPPORTED_QUANTIZATIONS,
+        default=None,
+        help="quantize the weights at export (default: as the checkpoint; an FP8 checkpoint stays FP8)",
+    )
+    parser.add_argument(
+        "--fp8-modules",
+        choices=("mlp", "linear"),
+        default=None,
+        help="with --quantization fp8: the MLP linears only, or every attention / GDN / MLP linear (default)",
+    )
     parser.add_argument("--kv-block-size", type=int, default=64, help="attention KV block size (default 64)")
     parser.add_argument("--revision", default=None, help="Hub revision of MODEL")
     parser.add_argument(
@@ -67,6 +79,8 @@ def _settings(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         prefill_chunk_size=args.prefill_chunk_size,
         kv_block_size=args.kv_block_size,
+        quantization=args.quantization,
+        fp8_modules=args.fp8_modules,
     )
 
 
@@ -169,12 +183,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"{entry['key'][:16]}  {entry['bytes'] / 1e6:8.1f} MB  {json.dumps(entry['description'])}")
         return 0
     from . import NeuronQwen36ForCausalLM
-    from .modeling.config import load_config, text_config_of
     from .modeling.weights import resolve_checkpoint
 
     settings = {k: v for k, v in _settings(args).items() if v is not None}
     neuron_config = NeuronQwen36ForCausalLM.get_neuron_config(args.model, revision=args.revision, **settings)
-    text_config = text_config_of(load_config(resolve_checkpoint(args.model, revision=args.revision)))
+    checkpoint_dir = resolve_checkpoint(args.model, revision=args.revision)
+    _, text_config, _ = NeuronQwen36ForCausalLM.model_config(checkpoint_dir, neuron_config)
     key = compile_key(text_config.to_dict(), neuron_config.to_dict(), neuron_config.backend)
     entry = CompileCache.lookup(cache, key)  # the local cache only: downloads nothing
     if entry is None and isinstance(cache, HubCompileCache) and cache.remote_has(key):

@@ -13,6 +13,9 @@ NEURON_CONFIG_NAME = "neuron_config.json"
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_BACKENDS = ("eager", "cpu", "cuda", "neuron")
+SUPPORTED_QUANTIZATIONS = ("fp8",)
+# Which linear layers FP8 quantizes (modeling/quantization.py); "checkpoint": those an FP8 checkpoint holds.
+SUPPORTED_FP8_MODULES = ("mlp", "linear", "checkpoint")
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -56,9 +59,25 @@ class Qwen36NeuronConfig:
     prefix_cache_bytes: int = 4 * 2**30
     prefix_cache_granularity: int = 64
     prefix_cache_interval: int = 2048
+    # Weight quantization: None, or "fp8" (block-scaled e4m3 weights, 1 byte each) for `fp8_modules`.
+    quantization: str | None = None
+    fp8_modules: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
+        if self.quantization not in (None, *SUPPORTED_QUANTIZATIONS):
+            raise ValueError(
+                f"Unknown quantization {self.quantization!r}: choose None or {SUPPORTED_QUANTIZATIONS}."
+            )
+        if self.fp8_modules not in (None, *SUPPORTED_FP8_MODULES):
+            raise ValueError(
+                f"Unknown fp8_modules {self.fp8_modules!r}: choose 'mlp' (MLP linears) or 'linear' (every "
+                "attention, Gated DeltaNet and MLP linear, as Qwen's FP8 releases)."
+            )
+        if self.fp8_modules is not None and self.quantization != "fp8":
+            raise ValueError(f"fp8_modules={self.fp8_modules!r} needs quantization='fp8'.")
+        if self.quantization == "fp8" and self.fp8_modules is None:
+            raise ValueError("quantization='fp8' needs fp8_modules ('mlp' or 'linear').")
         for name in ("batch_size", "sequence_length", "prefill_chunk_size", "kv_block_size", "tp_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
+from ..ops.fp8 import FP8_DTYPE
+from ..ops.native import load_native_ops
 from .aoti import CompiledGraph, compile_method
 from .base import EagerBackend, StepBackend, blocks_in_use
 from .compile_cache import CompileCache, compile_key
@@ -122,6 +124,8 @@ class AOTIBackend:
         self.files_dir = files_dir
         extra = files_dir / EXTRA_CONSTANTS
         constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
+        if self.name == "cpu" and any(t.dtype == FP8_DTYPE for t in weights.values()):
+            load_native_ops()  # the graphs of FP8 linear layers call its custom op
         present = [graph for graph in GRAPH_METHODS if (files_dir / f"{graph}.pt2").is_file()]
         if not {"prefill_chunk", "decode_row"} <= set(present):
             raise FileNotFoundError(

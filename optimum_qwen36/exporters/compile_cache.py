@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..ops.native import load_native_ops
 from .artifact import NATIVE_CODE_SUFFIXES, UntrustedCodeError, environment, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,16 @@ def graph_source_digest() -> str:
     """sha256 of the code the compiled graphs come from (the model, the GDN twins, and how this package
     exports them): the package version does not change between development commits, so it alone would let
     stale graphs be reused."""
-    from ..modeling import qwen36
+    from ..modeling import quantization, qwen36
     from ..nki import kernels
+    from ..ops import fp8, native
 
     kernel_dir = Path(kernels.__file__).parent
     sources = [
         Path(qwen36.__file__),
+        Path(quantization.__file__),
+        Path(fp8.__file__),
+        *native.SOURCES,
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
         Path(__file__).parent / "aoti.py",
@@ -86,6 +91,10 @@ def compile_key(model_config: Mapping[str, Any], neuron_config: Mapping[str, Any
         "neuron": {k: v for k, v in neuron_config.items() if k not in _NEURON_CONFIG_IGNORED},
         "environment": environment(backend),
         "graph_source": graph_source_digest(),
+        # FP8 linear layers call the native kernel where it could be built, else trace its PyTorch twin.
+        "native_ops": load_native_ops()
+        if backend == "cpu" and "quantization_config" in model_config
+        else None,
     }
     canonical = json.dumps(payload, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -51,8 +51,10 @@ from typing import Any
 
 import torch
 
+from ..modeling.quantization import rescale_for_range
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
+from ..ops.fp8 import NEURON_E4M3_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,8 @@ class NeuronBackend:
 
         # Registers the NKI custom ops now: the first import must not happen inside the traced step.
         load_neuron_ops()
+        # Neuron's e4m3 saturates at +-240, not 448: FP8 weights are requantized for that range.
+        rescale_for_range(model, NEURON_E4M3_MAX)
         self.device = device
         self.model = model.to(device)
         # Static shapes everywhere: one NEFF per step, no recompilation at run time.

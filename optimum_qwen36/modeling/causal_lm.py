@@ -40,8 +40,15 @@ from .generation import (
     prepare_generation_config,
     select_next_tokens,
 )
+from .quantization import Fp8Quantization
 from .qwen36 import Qwen36ForCausalLM
-from .weights import build_model, resolve_checkpoint
+from .weights import (
+    build_model,
+    checkpoint_fp8_modules,
+    fp8_modules_of_checkpoint,
+    fp8_quantization,
+    resolve_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +145,24 @@ class NeuronModelForCausalLM:
         prefix_cache_bytes: int | None = None,
         prefix_cache_granularity: int = 64,
         prefix_cache_interval: int = 2048,
+        quantization: str | None = None,
+        fp8_modules: str | None = None,
         revision: str | None = None,
         token: str | None = None,
     ) -> Qwen36NeuronConfig:
-        """The export settings for a checkpoint; defaults come from its config (dtype, context length) and
-        the machine (backend: cuda with a GPU, else cpu; "eager" runs the PyTorch code uncompiled)."""
+        """The export settings for a checkpoint; defaults come from its config (dtype, context length,
+        quantization) and the machine (backend: cuda with a GPU, else cpu; "eager" runs the PyTorch code
+        uncompiled). An FP8 checkpoint keeps its FP8 weights; `quantization="fp8"` quantizes a bf16 / fp32
+        one at export, `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp"."""
         checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)
-        text_config = text_config_of(load_config(checkpoint_dir))
+        config = load_config(checkpoint_dir)
+        text_config = text_config_of(config)
+        stored_fp8 = checkpoint_fp8_modules(checkpoint_dir, is_multimodal_layout(config))
+        if stored_fp8:
+            quantization = quantization or "fp8"
+            fp8_modules = fp8_modules or fp8_modules_of_checkpoint(text_config, stored_fp8)
+        elif quantization == "fp8" and fp8_modules is None:
+            fp8_modules = "linear"
         if sequence_length is None:
             sequence_length = min(4096, text_config.max_position_embeddings)
         if dtype is None:
@@ -162,10 +180,33 @@ class NeuronModelForCausalLM:
             prefix_caching=prefix_caching,
             prefix_cache_granularity=prefix_cache_granularity,
             prefix_cache_interval=prefix_cache_interval,
+            quantization=quantization,
+            fp8_modules=fp8_modules,
             **({} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}),
             checkpoint_id=str(model_name_or_path),
             checkpoint_revision=revision,
         )
+
+    @staticmethod
+    def model_config(
+        checkpoint_dir: str, neuron_config: Qwen36NeuronConfig
+    ) -> tuple[PretrainedConfig, PretrainedConfig, Fp8Quantization | None]:
+        """The checkpoint's config; its text config as the model is built from it (with the
+        quantization_config of its FP8 weights, which the saved config.json and the compile cache key
+        carry); and which linear layers are FP8."""
+        config = load_config(checkpoint_dir)
+        text_config = text_config_of(config)
+        quantization = fp8_quantization(
+            config,
+            text_config,
+            checkpoint_dir,
+            is_multimodal_layout(config),
+            neuron_config.quantization,
+            neuron_config.fp8_modules,
+        )
+        if quantization is not None:
+            text_config.quantization_config = quantization.config_dict(text_config)
+        return config, text_config, quantization
 
     @classmethod
     def export(
@@ -183,9 +224,8 @@ class NeuronModelForCausalLM:
         Compiled backends take their graphs from `compile_cache` when it holds them (else compile and
         store them there), or from `compiled_dir` (a verified artifact's graphs) without compiling."""
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
-        config = load_config(checkpoint_dir)
+        config, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
         model_cls = cls._resolve_class(config)
-        text_config = text_config_of(config)
         if text_config.max_position_embeddings < neuron_config.sequence_length:
             raise ValueError(
                 f"sequence_length={neuron_config.sequence_length} exceeds the model's "
@@ -193,7 +233,11 @@ class NeuronModelForCausalLM:
             )
         _warn_if_bf16_is_slow_here(neuron_config)
         model = build_model(
-            text_config, checkpoint_dir, is_multimodal_layout(config), neuron_config.torch_dtype
+            text_config,
+            checkpoint_dir,
+            is_multimodal_layout(config),
+            neuron_config.torch_dtype,
+            quantization=quantization,
         )
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)

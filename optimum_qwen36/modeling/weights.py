@@ -13,9 +13,20 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from ..ops.fp8 import FP8_DTYPE, quantize_fp8
+from .quantization import (
+    CHECKPOINT_MODULES,
+    SCALE_SUFFIX,
+    Fp8Quantization,
+    QuantizationConfig,
+    fp8_module_names,
+    not_converted,
+    replace_with_fp8_linears,
+)
 from .qwen36 import Qwen36ForCausalLM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
 # Keys of Qwen3_5ForConditionalGeneration checkpoints that the language model does not use.
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 MULTIMODAL_LM_PREFIX = "model.language_model."
@@ -103,13 +114,18 @@ def build_model(
     multimodal: bool,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    quantization: Fp8Quantization | None = None,
 ) -> Qwen36ForCausalLM:
-    """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype).
+    """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype;
+    the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here).
 
     Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
     start = time.perf_counter()
     with torch.device("meta"):
         model = Qwen36ForCausalLM(config)
+    if quantization is not None:
+        replace_with_fp8_linears(model, quantization)
+    fp8_weights = {f"{module}.weight" for module in (quantization.modules if quantization else ())}
     expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -130,12 +146,32 @@ def build_model(
             unexpected.append(key)
             continue
         if tuple(tensor.shape) != tuple(expected[name].shape):
+            if name.endswith(SCALE_SUFFIX):
+                raise CheckpointError(
+                    f"FP8 scale {key!r} has shape {tuple(tensor.shape)}, but its weight in blocks of "
+                    f"{list(quantization.block_size)} (quantization_config.weight_block_size) needs "
+                    f"{tuple(expected[name].shape)} = [ceil(rows / block), ceil(cols / block)]."
+                )
             raise CheckpointError(
                 f"Tensor {key!r} has shape {tuple(tensor.shape)} but the config implies "
                 f"{tuple(expected[name].shape)}: the checkpoint and its config.json do not match."
             )
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        if name in fp8_weights and not quantization.prequantized:
+            weight, scale = quantize_fp8(tensor, quantization.block_size)
+            loaded[name], loaded[name.removesuffix("weight") + "weight_scale_inv"] = weight, scale
+        else:
+            loaded[name] = _loaded_tensor(
+                key, tensor, name in fp8_weights, name.endswith(SCALE_SUFFIX), dtype
+            )
+        loaded[name] = loaded[name].to(device)
     missing = sorted(set(expected) - set(loaded))
+    missing_scales = [name for name in missing if name.endswith(SCALE_SUFFIX)]
+    if missing_scales:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint_dir} has FP8 weights without their scales: {_head(missing_scales)}. "
+            "Every float8 `X.weight` needs `X.weight_scale_inv` (without it the weights are wrong by the "
+            "scale factor); re-download or re-quantize the checkpoint."
+        )
     if missing or unexpected:
         raise CheckpointError(
             f"Checkpoint {checkpoint_dir} does not match its config: missing {_head(missing)}, "
@@ -154,6 +190,114 @@ def build_model(
         time.perf_counter() - start,
     )
     return model.eval().requires_grad_(False)
+
+
+def _loaded_tensor(
+    key: str, tensor: torch.Tensor, is_fp8_weight: bool, is_scale: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """A checkpoint tensor as the model holds it: FP8 weights and scales as stored, the rest in dtype."""
+    if is_fp8_weight:
+        if tensor.dtype != FP8_DTYPE:
+            raise CheckpointError(
+                f"{key!r} is {tensor.dtype}, but the checkpoint's other quantized weights and its "
+                "quantization_config make it an FP8 (float8_e4m3fn) weight."
+            )
+        return tensor
+    if is_scale:
+        if not tensor.dtype.is_floating_point or tensor.dtype.itemsize < 2:
+            raise CheckpointError(f"{key!r} is {tensor.dtype}; FP8 scales are bfloat16 or float32.")
+        return tensor
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise CheckpointError(
+            f"{key!r} is {tensor.dtype}, but this module is not quantized: optimum-qwen36 runs FP8 (e4m3) "
+            "weights in the linear layers of the attention, Gated DeltaNet and MLP blocks only."
+        )
+    return tensor.to(dtype)
+
+
+def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool) -> set[str]:
+    """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
+    the safetensors headers only."""
+    modules = set()
+    for path in safetensors_files(checkpoint_dir):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                name = model_key(key, multimodal)
+                if name is None:
+                    continue
+                if name.endswith(SCALE_SUFFIX):
+                    modules.add(name.removesuffix(SCALE_SUFFIX))
+                elif name.endswith(".weight") and f.get_slice(key).get_dtype() in FP8_SAFETENSORS_DTYPES:
+                    modules.add(name.removesuffix(".weight"))
+    return modules
+
+
+def fp8_modules_of_checkpoint(text_config: PretrainedConfig, stored: set[str]) -> str:
+    """The name of an FP8 checkpoint's quantized set: "linear" or "mlp" when it is one of those exactly."""
+    for fp8_modules in ("linear", "mlp"):
+        if stored == set(fp8_module_names(text_config, fp8_modules)):
+            return fp8_modules
+    return CHECKPOINT_MODULES
+
+
+def fp8_quantization(
+    config: PretrainedConfig,
+    text_config: PretrainedConfig,
+    checkpoint_dir: str,
+    multimodal: bool,
+    quantization: str | None,
+    fp8_modules: str | None,
+) -> Fp8Quantization | None:
+    """What `build_model` quantizes: an FP8 checkpoint's modules as stored (checked against its
+    quantization_config and the requested `fp8_modules`), or `fp8_modules` of a bf16 / fp32 checkpoint
+    quantized at export; None for an unquantized model."""
+    stored_config = QuantizationConfig.from_config(config)
+    stored = checkpoint_fp8_modules(checkpoint_dir, multimodal)
+    if stored_config is None and stored:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds FP8 weights ({_head(sorted(stored))}) but its config.json has no "
+            "quantization_config: the block size of their scales is unknown. Restore the checkpoint's "
+            "config.json (quant_method 'fp8', weight_block_size [128, 128], ...)."
+        )
+    if stored_config is not None and not stored:
+        raise CheckpointError(
+            f"{checkpoint_dir}'s config.json has an FP8 quantization_config but no weight is FP8 and none "
+            "has a weight_scale_inv: the weights and the config do not belong together."
+        )
+    if stored:
+        if quantization != "fp8":
+            raise ValueError(
+                f"{checkpoint_dir} is an FP8 checkpoint: export it with quantization='fp8' (the default "
+                "from_pretrained picks for it)."
+            )
+        listed = sorted(m for m in stored if not_converted(list(stored_config.modules_to_not_convert), m))
+        if listed:
+            raise CheckpointError(
+                f"{_head(listed)} hold FP8 weights but quantization_config.modules_to_not_convert lists "
+                "them as unquantized: the checkpoint contradicts its config."
+            )
+        unsupported = sorted(stored - set(fp8_module_names(text_config, "linear")))
+        if unsupported:
+            raise CheckpointError(
+                f"{_head(unsupported)} are FP8 in the checkpoint; optimum-qwen36 runs FP8 weights only in "
+                "the attention, Gated DeltaNet (in_proj_qkv, in_proj_z, out_proj) and MLP linear layers."
+            )
+        found = fp8_modules_of_checkpoint(text_config, stored)
+        if fp8_modules not in (None, CHECKPOINT_MODULES, found):
+            raise ValueError(
+                f"fp8_modules={fp8_modules!r}, but {checkpoint_dir} is already quantized with "
+                f"fp8_modules={found!r}. Drop fp8_modules, or start from the bf16 checkpoint to quantize "
+                "another set."
+            )
+        return Fp8Quantization(tuple(sorted(stored)), stored_config.weight_block_size, prequantized=True)
+    if quantization is None:
+        return None
+    if fp8_modules in (None, CHECKPOINT_MODULES):
+        raise ValueError(
+            f"{checkpoint_dir} is not an FP8 checkpoint: choose which linear layers to quantize with "
+            "fp8_modules='mlp' or 'linear'."
+        )
+    return Fp8Quantization(tuple(fp8_module_names(text_config, fp8_modules)))
 
 
 def _head(names: list[str], limit: int = 8) -> str:

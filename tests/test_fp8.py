@@ -1,0 +1,370 @@
+"""FP8 weights: Qwen's official block-scaled layout loads and matches transformers on the dequantized
+weights (fp32 compute, eager and the compiled cpu backend, saved and loaded again); bf16 checkpoints are
+quantized at export for exactly the modules `fp8_modules` names; bad layouts fail with clear errors; the
+native kernel equals its PyTorch twin.
+
+The official-layout checkpoints are written here by `write_official_fp8`, a plain per-block loop independent
+of the package's quantizer, in the multimodal layout with `model.language_model.`-prefixed
+`modules_to_not_convert` entries (transformers #48349) and FP8 `mtp.*` tensors that must be ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint
+from helpers import export_eager, left_padded_prompts
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.exporters.compile_cache import compile_key
+from optimum_qwen36.modeling.quantization import Fp8Linear, fp8_module_names
+from optimum_qwen36.modeling.weights import CheckpointError
+from optimum_qwen36.ops.fp8 import (
+    E4M3_MAX,
+    NEURON_E4M3_MAX,
+    dequantize_fp8,
+    fp8_linear,
+    fp8_linear_torch,
+    quantize_fp8,
+    requantize_fp8,
+)
+from optimum_qwen36.ops.native import load_native_ops
+
+NEW_TOKENS = 24
+BLOCK = (32, 32)  # several blocks per weight (partial edge blocks: the ops tests and 128 x 128 at export)
+QUANTIZED = (".mlp.", ".linear_attn.in_proj_qkv.", ".linear_attn.in_proj_z.", ".linear_attn.out_proj.")
+QUANTIZED_ATTENTION = tuple(f".self_attn.{p}_proj." for p in "qkvo")
+
+
+def is_official_fp8(key: str) -> bool:
+    return (
+        key.startswith("model.language_model.")
+        and key.endswith(".weight")
+        and any(part in key for part in (*QUANTIZED, *QUANTIZED_ATTENTION))
+    )
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block by block, as Qwen's release scripts do: scale = amax / 448 (bf16), q = e4m3(w / scale)."""
+    rows, cols = weight.shape
+    scales = torch.zeros(math.ceil(rows / block[0]), math.ceil(cols / block[1]), dtype=torch.bfloat16)
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = weight[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]].float()
+            scale = (tile.abs().max() / E4M3_MAX).to(torch.bfloat16)
+            scales[i, j] = scale
+            q[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]] = (
+                (tile / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            )
+    return q, scales
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    expanded = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * expanded[: q.shape[0], : q.shape[1]]
+
+
+def write_official_fp8(directory: Path, seed: int = 5) -> tuple[Path, torch.nn.Module]:
+    """A tiny Qwen3_5ForConditionalGeneration checkpoint in the official FP8 layout; returns it and the
+    transformers model holding the dequantized weights (the reference)."""
+    _, model = save_tiny_checkpoint(directory, "conditional", seed=seed)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors = {}
+    for key, value in state.items():
+        if is_official_fp8(key):
+            q, scales = quantize_blocks(value, BLOCK)
+            tensors[key], tensors[key + "_scale_inv"] = q, scales
+            state[key] = dequantize_blocks(q, scales, BLOCK)
+        else:
+            tensors[key] = value
+    # The MTP layer ships quantized too; the language model ignores it.
+    tensors["mtp.layers.0.mlp.gate_proj.weight"] = torch.zeros(128, 64).to(torch.float8_e4m3fn)
+    tensors["mtp.layers.0.mlp.gate_proj.weight_scale_inv"] = torch.ones(4, 2, dtype=torch.bfloat16)
+    for path in directory.glob("*.safetensors"):
+        path.unlink()
+    save_file(tensors, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    kept = ["lm_head", "model.visual", "mtp"]
+    kept += [
+        f"model.language_model.layers.{i}.linear_attn.{name}"
+        for i in range(model.config.text_config.num_hidden_layers)
+        for name in ("in_proj_a", "in_proj_b")
+    ]
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": kept,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    model.load_state_dict(state)
+    return directory, model.eval()
+
+
+def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor):
+    return model.generate(
+        input_ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+
+
+def assert_matches(model, reference: torch.nn.Module, lengths: list[int] = [5, 16, 37]) -> None:  # noqa: B006
+    """Same greedy tokens as the reference, fp32 logits within 1e-4 of the largest."""
+    input_ids, mask = left_padded_prompts(lengths[: model.neuron_config.batch_size], seed=1)
+    ours = model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    theirs = reference_generate(reference, input_ids, mask)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits, strict=True)):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 1e-4 * scale, f"step {step}"
+
+
+def fp8_modules(model: NeuronQwen36ForCausalLM) -> set[str]:
+    return {name for name, m in model.model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    return write_official_fp8(tmp_path_factory.mktemp("fp8") / "official")
+
+
+# ---------------------------------------------------------------------------------------------- ops
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize(
+    "shape,block", [((300, 200), (128, 128)), ((257, 129), (64, 32)), ((64, 64), (128, 128))]
+)
+def test_fp8_linear_equals_dequantized_linear(
+    rows: int, shape: tuple[int, int], block: tuple[int, int]
+) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(shape)
+    q, scale = quantize_fp8(weight, block)
+    x = torch.randn(2, rows, shape[1])  # leading dimensions are kept
+    reference = fp8_linear_torch(x.double(), q, scale, block)
+    out = fp8_linear(x, q, scale, block)
+    assert out.shape == (2, rows, shape[0]) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    bf16 = fp8_linear(x.bfloat16(), q, scale, block)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.double(), reference, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 9])  # the streaming path and the dequantizing one
+def test_native_kernel_widens_every_e4m3_value_exactly(rows: int) -> None:
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = values[~values.isnan()]  # subnormals, zeros of both signs, normals up to +-448
+    weight = torch.diag(finite).to(torch.float8_e4m3fn)  # output i is value i
+    x = torch.ones(rows, len(finite))
+    out = torch.ops.optimum_qwen36.fp8_linear(x, weight, torch.ones(1, 1), 1024, 1024)
+    assert torch.equal(out, finite.expand(rows, -1))
+
+
+def test_quantize_round_trip_and_neuron_range() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(300, 200) * torch.logspace(-3, 1, 200)  # per-column magnitudes over four decades
+    q, scale = quantize_fp8(weight, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.bfloat16 and scale.shape == (3, 2)
+    back = dequantize_fp8(q, scale, (128, 128), torch.float32)
+    block_max = back.abs().amax()
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, plus the subnormal floor of each block.
+    assert ((back - weight).abs() <= weight.abs() * 2**-4 + block_max * 2**-9 / E4M3_MAX * 2).all()
+    q240, scale240 = requantize_fp8(q, scale, (128, 128), NEURON_E4M3_MAX)
+    assert q240.float().abs().max() <= NEURON_E4M3_MAX
+    back240 = dequantize_fp8(q240, scale240, (128, 128), torch.float32)
+    assert ((back240 - back).abs() <= back.abs() * 2**-4 + block_max * 2**-8).all()
+
+
+# ------------------------------------------------------------------------ the official FP8 layout
+
+
+def test_official_layout_matches_transformers_on_dequantized_weights(official) -> None:
+    path, reference = official
+    model = export_eager(path)
+    assert (model.neuron_config.quantization, model.neuron_config.fp8_modules) == ("fp8", "linear")
+    assert fp8_modules(model) == set(fp8_module_names(model.config, "linear"))
+    linear = model.model.model.layers[0].linear_attn
+    assert isinstance(linear.in_proj_a, torch.nn.Linear) and linear.in_proj_a.weight.dtype == torch.float32
+    assert linear.in_proj_qkv.weight.dtype == torch.float8_e4m3fn
+    assert linear.in_proj_qkv.weight_scale_inv.dtype == torch.bfloat16  # as stored
+    assert_matches(model, reference)
+
+
+@pytest.mark.slow
+def test_official_layout_compiled_saved_and_loaded(official, tmp_path: Path) -> None:
+    """The cpu backend (native kernel inside the AOTInductor graphs: prefill, one-row and batched decode)
+    matches transformers; the saved artifact keeps the official layout, which transformers loads too."""
+    path, reference = official
+    settings = dict(backend="cpu", batch_size=3, sequence_length=128, prefill_chunk_size=16, dtype="float32")
+    model = NeuronQwen36ForCausalLM.from_pretrained(path, export=True, use_compile_cache=False, **settings)
+    assert_matches(model, reference)
+    assert_matches(model, reference, lengths=[21])  # one row: the decode_row graph
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == list(BLOCK)
+    assert "model.layers.0.linear_attn.in_proj_a" in config["quantization_config"]["modules_to_not_convert"]
+    with safe_open(tmp_path / "saved" / "model.safetensors", framework="pt") as f:
+        weight = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+        scale = f.get_tensor("model.layers.0.mlp.up_proj.weight_scale_inv")
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_b.weight").dtype == torch.float32
+    expected = reference.model.language_model.layers[0].mlp.up_proj.weight
+    assert torch.equal(dequantize_blocks(weight, scale, BLOCK), expected)
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    assert fp8_modules(loaded) == fp8_modules(model)
+    assert_matches(loaded, reference)
+    # transformers reads the same files (dequantizing them: FP8 compute needs a GPU there).
+    from transformers import FineGrainedFP8Config, Qwen3_5ForCausalLM
+
+    theirs = Qwen3_5ForCausalLM.from_pretrained(
+        tmp_path / "saved", quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    )
+    assert_matches(loaded, theirs)
+
+
+# ------------------------------------------------------------------------ quantizing at export
+
+
+@pytest.mark.parametrize("fp8_modules_name", ["mlp", "linear"])
+def test_quantization_at_export_selects_exactly_the_named_modules(
+    tiny_checkpoint, fp8_modules_name: str
+) -> None:
+    path, reference = tiny_checkpoint("causal", seed=2)
+    model = export_eager(path, quantization="fp8", fp8_modules=fp8_modules_name)
+    quantized = fp8_modules(model)
+    config = model.config
+    expected = {
+        f"model.layers.{i}.{module}"
+        for i, kind in enumerate(config.layer_types)
+        for module in (
+            ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+            + (
+                []
+                if fp8_modules_name == "mlp"
+                else ["linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj"]
+                if kind == "linear_attention"
+                else ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+            )
+        )
+    }
+    assert quantized == expected
+    for name, parameter in model.model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        if module not in quantized:  # embeddings, lm_head, norms, conv1d, in_proj_a/b, A_log, dt_bias
+            assert parameter.dtype == torch.float32, name
+    cache = model.new_cache()
+    assert cache.recurrent_state.dtype == torch.float32 and cache.key_cache.dtype == torch.float32
+    # The quantized model is exactly the reference on its dequantized weights.
+    state = reference.state_dict()
+    for module in quantized:
+        fp8 = model.model.get_submodule(module)
+        state[module + ".weight"] = dequantize_fp8(
+            fp8.weight, fp8.weight_scale_inv, fp8.block_size, torch.float32
+        )
+    reference.load_state_dict(state)
+    assert_matches(model, reference)
+
+
+def test_fp8_modules_change_the_compile_key(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("causal", seed=1)
+    keys = {}
+    for name in ("mlp", "linear"):
+        neuron_config = NeuronQwen36ForCausalLM.get_neuron_config(
+            path, backend="cpu", quantization="fp8", fp8_modules=name
+        )
+        _, text_config, _ = NeuronQwen36ForCausalLM.model_config(str(path), neuron_config)
+        keys[name] = compile_key(text_config.to_dict(), neuron_config.to_dict(), "cpu")
+    plain = NeuronQwen36ForCausalLM.get_neuron_config(path, backend="cpu")
+    _, text_config, _ = NeuronQwen36ForCausalLM.model_config(str(path), plain)
+    keys["none"] = compile_key(text_config.to_dict(), plain.to_dict(), "cpu")
+    assert len(set(keys.values())) == 3
+
+
+# ------------------------------------------------------------------------ bad layouts
+
+
+def rewrite(directory: Path, edit) -> None:
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def edit_config(directory: Path, edit) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+SCALE = "model.language_model.layers.1.mlp.down_proj.weight_scale_inv"
+BAD_LAYOUTS = {
+    "missing scale": (lambda t: t.pop(SCALE), None, "without their scales"),
+    "mis-shaped scale": (lambda t: t.update({SCALE: t[SCALE][:, :1].contiguous()}), None, "needs"),
+    "no quantization_config": (None, lambda c: c.pop("quantization_config"), "no quantization_config"),
+    "e5m2": (None, lambda c: c["quantization_config"].update(fmt="e5m2"), "only e4m3"),
+    "per-tensor scales": (
+        None,
+        lambda c: c["quantization_config"].pop("weight_block_size"),
+        "weight_block_size",
+    ),
+    "fp8 in modules_to_not_convert": (
+        None,
+        lambda c: c["quantization_config"]["modules_to_not_convert"].append(
+            "model.language_model.layers.2.mlp"
+        ),
+        "modules_to_not_convert",
+    ),
+    "fp8 embedding": (
+        lambda t: t.update(
+            {
+                "model.language_model.embed_tokens.weight": t["model.language_model.embed_tokens.weight"].to(
+                    torch.float8_e4m3fn
+                )
+            }
+        ),
+        None,
+        "embed_tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LAYOUTS))
+def test_bad_fp8_layouts_are_refused_clearly(tmp_path: Path, name: str) -> None:
+    path, _ = write_official_fp8(tmp_path / "ckpt")
+    edit_tensors, edit_json, message = BAD_LAYOUTS[name]
+    if edit_tensors:
+        rewrite(path, edit_tensors)
+    if edit_json:
+        edit_config(path, edit_json)
+    with pytest.raises((CheckpointError, ValueError), match=message):
+        export_eager(path)
+
+
+def test_requested_modules_must_match_an_fp8_checkpoint(official) -> None:
+    path, _ = official
+    with pytest.raises(ValueError, match="already quantized with fp8_modules='linear'"):
+        export_eager(path, fp8_modules="mlp")
+    assert export_eager(path, quantization="fp8", fp8_modules="linear").neuron_config.fp8_modules == "linear"
+
+
+def test_fp8_settings_are_checked(tiny_checkpoint) -> None:
+    path, _ = tiny_checkpoint("causal")
+    with pytest.raises(ValueError, match="needs quantization='fp8'"):
+        export_eager(path, fp8_modules="mlp")
+    with pytest.raises(ValueError, match="Unknown quantization"):
+        export_eager(path, quantization="int4")
+    with pytest.raises(ValueError, match="not an FP8 checkpoint"):
+        export_eager(path, quantization="fp8", fp8_modules="checkpoint")
