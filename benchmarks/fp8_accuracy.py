@@ -12,7 +12,7 @@ modules the model was not trained on), at least 2,000 positions:
   equal the bf16 model's, and the mean position of the first difference.
 For scale, the same figures for fp32 against bf16 (the rounding of bf16 itself). Deterministic: one run.
 
-    python benchmarks/fp8_accuracy.py                                  # trains the model first (~3 min)
+    python benchmarks/fp8_accuracy.py                                  # trains the model first (~10 min)
     python benchmarks/fp8_accuracy.py --model-dir /tmp/text-model      # reuses a trained one
 
 Writes benchmarks/results/fp8_accuracy.json and prints a markdown table.

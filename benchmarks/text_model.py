@@ -1,11 +1,11 @@
-"""A small Qwen3.5/3.6-architecture model trained in a few minutes on real text available offline: the
+"""A small Qwen3.5/3.6-architecture model trained in about ten minutes on real text available offline: the
 Python standard library's source, one token per byte (vocabulary 256; byte 0 never occurs and pads).
 
 A random model's next-token distributions are nearly flat, so quantization error, greedy agreement and
 acceptance rates measured on it mean nothing. This one predicts code well enough that they do. Its weight
 matrices span several 128 x 128 blocks (hidden 256, MLP 768), so FP8's per-block scales are exercised.
 
-    python benchmarks/text_model.py /tmp/text-model         # trains (about 3 minutes on 2 cores) and saves
+    python benchmarks/text_model.py /tmp/text-model     # trains (400 steps, 8-14 minutes on 2 cores), saves
 
 `text_checkpoint(directory)` reuses a directory that already holds the trained model (same settings).
 """

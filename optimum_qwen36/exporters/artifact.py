@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..ops.native import cpu_flags
+
 MANIFEST_NAME = "export_manifest.json"
 # 2: decode steps take each row's GDN state slot (format 1's graphs do not).
 MANIFEST_FORMAT = 2
@@ -69,18 +71,6 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 24) -> str:
         while chunk := f.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo; empty where that file does not exist)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_isa() -> list[str]:

@@ -158,12 +158,11 @@ def build_model(
             )
         if name in fp8_weights and not quantization.prequantized:
             weight, scale = quantize_fp8(tensor, quantization.block_size)
-            loaded[name], loaded[name.removesuffix("weight") + "weight_scale_inv"] = weight, scale
+            loaded[name] = weight.to(device)
+            loaded[name.removesuffix("weight") + "weight_scale_inv"] = scale.to(device)
         else:
-            loaded[name] = _loaded_tensor(
-                key, tensor, name in fp8_weights, name.endswith(SCALE_SUFFIX), dtype
-            )
-        loaded[name] = loaded[name].to(device)
+            is_scale = name.endswith(SCALE_SUFFIX)
+            loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
     missing = sorted(set(expected) - set(loaded))
     missing_scales = [name for name in missing if name.endswith(SCALE_SUFFIX)]
     if missing_scales:

@@ -23,7 +23,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "fp8_linear.cpp",)
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where that file does not exist)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -35,7 +36,7 @@ def _cpu_flags() -> set[str]:
 
 
 def build_flags() -> list[str]:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     vector = [flag for name, flag in VECTOR_FLAGS.items() if name in flags]
     return ["-O3", *(vector if len(vector) == len(VECTOR_FLAGS) else [])]
 
