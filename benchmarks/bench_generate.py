@@ -416,8 +416,11 @@ def chart(report: dict, path: Path) -> None:
         where = report["device"] if report["backend"] == "cuda" else f"{report['machine']['threads']} threads"
         axis.set_title(f"{title} ({report['dtype']}, {where})")
     for name, roofline in report["decode_roofline_tok_s"].items():
-        right.axhline(roofline["median"], linestyle="--", linewidth=0.8, label=f"batch-1 roofline, {name}")
-    right.legend()
+        color = f"C{systems.index(name)}"  # the bars' colour
+        right.axhline(
+            roofline["median"], color=color, linestyle="--", linewidth=0.8, label=f"roofline, {name}"
+        )
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
