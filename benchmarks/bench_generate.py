@@ -56,6 +56,7 @@ from timing import alternate, fmt, machine, paired_ratios, rates, spread, wall
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.neuron_config import FP8_MODULE_SETS
 from optimum_qwen36.tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -191,9 +192,9 @@ def export(
     return model, seconds, log.summary()
 
 
-def measure_export(checkpoint: str, args: argparse.Namespace, scratch: Path) -> tuple[object, dict]:
+def measure_export(checkpoint: str, args: argparse.Namespace, scratch: Path) -> tuple[object, dict, Path]:
     """The first export (into an empty compile cache unless --compile-cache-dir), then --export-loads exports
-    that hit the compile cache. Returns the last model and the export report."""
+    that hit the compile cache. Returns the last model, the export report and the compile cache used."""
     if args.compile_cache_dir is None:
         cache_dir = scratch / "compile-cache"
         # An empty AOTInductor cache too, so that the first export is what a first-time user waits for.
@@ -222,7 +223,7 @@ def measure_export(checkpoint: str, args: argparse.Namespace, scratch: Path) -> 
         if files is not None
         else None,
     }
-    return model, report
+    return model, report, cache_dir
 
 
 def resident_bytes() -> int:
@@ -451,7 +452,7 @@ def main() -> None:
         "--fp8",
         nargs="*",
         default=[],
-        choices=("mlp", "linear"),
+        choices=FP8_MODULE_SETS,
         help="FP8 variants to run beside (fp8_modules)",
     )
     parser.add_argument(
@@ -479,13 +480,11 @@ def main() -> None:
         checkpoint = args.model or str(random_checkpoint(Path(tmp) / "model", args.layers, dtype))
         phases = {"checkpoint_s": time.perf_counter() - phase}
         phase = time.perf_counter()
-        ours, export_report = measure_export(checkpoint, args, Path(tmp))
+        ours, export_report, cache_dir = measure_export(checkpoint, args, Path(tmp))
         phases["export_s"] = time.perf_counter() - phase
         ours.generation_config.eos_token_id = None  # random weights: never stop early
         systems = {f"optimum-qwen36 {args.backend}": ours}
-        fp8_models, fp8_report = export_fp8_variants(
-            checkpoint, args, args.compile_cache_dir or Path(tmp) / "compile-cache"
-        )
+        fp8_models, fp8_report = export_fp8_variants(checkpoint, args, cache_dir)
         systems.update(fp8_models)
         device = ours.backend.device
         bandwidth = read_bandwidth_gbs(device, args.repeats)

@@ -19,7 +19,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .neuron_config import NEURON_CONFIG_NAME, SUPPORTED_BACKENDS, SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS
+from .neuron_config import (
+    FP8_MODULE_SETS,
+    NEURON_CONFIG_NAME,
+    SUPPORTED_BACKENDS,
+    SUPPORTED_DTYPES,
+    SUPPORTED_QUANTIZATIONS,
+)
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +59,7 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fp8-modules",
-        choices=("mlp", "linear"),
+        choices=FP8_MODULE_SETS,
         default=None,
         help="with --quantization fp8: the MLP linears only, or every attention / GDN / MLP linear (default)",
     )

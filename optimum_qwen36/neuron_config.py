@@ -14,8 +14,11 @@ NEURON_CONFIG_NAME = "neuron_config.json"
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_BACKENDS = ("eager", "cpu", "cuda", "neuron")
 SUPPORTED_QUANTIZATIONS = ("fp8",)
-# Which linear layers FP8 quantizes (modeling/quantization.py); "checkpoint": those an FP8 checkpoint holds.
-SUPPORTED_FP8_MODULES = ("mlp", "linear", "checkpoint")
+# Which linear layers FP8 quantizes (modeling/quantization.py lists them), or "checkpoint": those an FP8
+# checkpoint holds, whichever set that is.
+FP8_MODULE_SETS = ("mlp", "linear")
+CHECKPOINT_FP8_MODULES = "checkpoint"
+SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:

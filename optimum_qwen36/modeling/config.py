@@ -9,6 +9,8 @@ from transformers import AutoConfig, PretrainedConfig
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
+# Where Qwen3_5ForConditionalGeneration checkpoints keep the language model (text-only ones: `model.`).
+MULTIMODAL_LM_PREFIX = "model.language_model."
 
 
 def load_config(checkpoint_dir: str | os.PathLike) -> PretrainedConfig:
@@ -31,6 +33,13 @@ def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
 def is_multimodal_layout(config: PretrainedConfig) -> bool:
     """True for Qwen3_5ForConditionalGeneration checkpoints (LM keys under `model.language_model.`)."""
     return config.model_type == "qwen3_5"
+
+
+def text_model_name(name: str) -> str:
+    """A multimodal checkpoint's `model.language_model.X` as the text model's `model.X`; others unchanged."""
+    if name.startswith(MULTIMODAL_LM_PREFIX):
+        return "model." + name.removeprefix(MULTIMODAL_LM_PREFIX)
+    return name
 
 
 def validate_text_config(config: PretrainedConfig) -> None:

@@ -15,19 +15,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..neuron_config import FP8_MODULE_SETS
 from ..ops.fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, fp8_linear, requantize_fp8, scale_shape
-from .config import LINEAR_ATTENTION
+from .config import LINEAR_ATTENTION, text_model_name
 
-FP8_MODULE_SETS = ("mlp", "linear")
-# The modules of an FP8 checkpoint as they are, whichever set that is.
-CHECKPOINT_MODULES = "checkpoint"
 SCALE_SUFFIX = ".weight_scale_inv"
 MLP_LINEARS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 GDN_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 # Linear layers that always stay in the model dtype (small, or the routing of the GDN gates).
 KEPT_LINEARS = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")
-MULTIMODAL_LM_PREFIX = "model.language_model."
 
 
 def fp8_module_names(config: PretrainedConfig, fp8_modules: str) -> list[str]:
@@ -61,9 +58,7 @@ def not_converted(entries: list[str], module: str) -> bool:
     `model.layers.0.mlp.gate_proj`). Entries may carry the multimodal layout's `model.language_model.`
     prefix (transformers #48349: such entries never matched a text-only load), name a parent module, or
     be a suffix such as `lm_head` or `linear_attn.in_proj_a`."""
-    for entry in entries:
-        if entry.startswith(MULTIMODAL_LM_PREFIX):
-            entry = "model." + entry.removeprefix(MULTIMODAL_LM_PREFIX)
+    for entry in map(text_model_name, entries):
         if module == entry or module.startswith(entry + ".") or module.endswith("." + entry):
             return True
     return False

@@ -13,9 +13,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from ..neuron_config import CHECKPOINT_FP8_MODULES
 from ..ops.fp8 import FP8_DTYPE, quantize_fp8
+from .config import MULTIMODAL_LM_PREFIX, text_model_name
 from .quantization import (
-    CHECKPOINT_MODULES,
     SCALE_SUFFIX,
     Fp8Quantization,
     QuantizationConfig,
@@ -29,7 +30,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
 # Keys of Qwen3_5ForConditionalGeneration checkpoints that the language model does not use.
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
-MULTIMODAL_LM_PREFIX = "model.language_model."
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*"]
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def model_key(checkpoint_key: str, multimodal: bool) -> str | None:
         return None
     if multimodal:
         if checkpoint_key.startswith(MULTIMODAL_LM_PREFIX):
-            return "model." + checkpoint_key.removeprefix(MULTIMODAL_LM_PREFIX)
+            return text_model_name(checkpoint_key)
         if checkpoint_key == "lm_head.weight":
             return checkpoint_key
         return None if checkpoint_key.startswith("model.") else checkpoint_key
@@ -159,7 +159,7 @@ def build_model(
         if name in fp8_weights and not quantization.prequantized:
             weight, scale = quantize_fp8(tensor, quantization.block_size)
             loaded[name] = weight.to(device)
-            loaded[name.removesuffix("weight") + "weight_scale_inv"] = scale.to(device)
+            loaded[name.removesuffix(".weight") + SCALE_SUFFIX] = scale.to(device)
         else:
             is_scale = name.endswith(SCALE_SUFFIX)
             loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
@@ -236,7 +236,7 @@ def fp8_modules_of_checkpoint(text_config: PretrainedConfig, stored: set[str]) -
     for fp8_modules in ("linear", "mlp"):
         if stored == set(fp8_module_names(text_config, fp8_modules)):
             return fp8_modules
-    return CHECKPOINT_MODULES
+    return CHECKPOINT_FP8_MODULES
 
 
 def fp8_quantization(
@@ -282,7 +282,7 @@ def fp8_quantization(
                 "the attention, Gated DeltaNet (in_proj_qkv, in_proj_z, out_proj) and MLP linear layers."
             )
         found = fp8_modules_of_checkpoint(text_config, stored)
-        if fp8_modules not in (None, CHECKPOINT_MODULES, found):
+        if fp8_modules not in (None, CHECKPOINT_FP8_MODULES, found):
             raise ValueError(
                 f"fp8_modules={fp8_modules!r}, but {checkpoint_dir} is already quantized with "
                 f"fp8_modules={found!r}. Drop fp8_modules, or start from the bf16 checkpoint to quantize "
@@ -291,7 +291,7 @@ def fp8_quantization(
         return Fp8Quantization(tuple(sorted(stored)), stored_config.weight_block_size, prequantized=True)
     if quantization is None:
         return None
-    if fp8_modules in (None, CHECKPOINT_MODULES):
+    if fp8_modules in (None, CHECKPOINT_FP8_MODULES):
         raise ValueError(
             f"{checkpoint_dir} is not an FP8 checkpoint: choose which linear layers to quantize with "
             "fp8_modules='mlp' or 'linear'."
