@@ -16,8 +16,9 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
-# Keep tests reproducible and light on a 2-core machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep tests reproducible and light on a 2-core machine, and pytest-xdist's workers off each other's cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 TINY_TEXT_CONFIG: dict[str, Any] = dict(
     vocab_size=512,

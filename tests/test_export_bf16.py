@@ -29,7 +29,7 @@ from pattern_model import (
 )
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters import backends
+from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import ENTRY_NAME
 
 # Max |logit difference| allowed against each reference: the largest of the two graphs' values measured on
@@ -124,7 +124,7 @@ def test_bf16_cpu_backend_within_documented_tolerance(bf16, ours: str, reference
 
 
 def test_bf16_saved_artifact_reloads_identically(bf16, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backends, "compile_method", lambda *a, **k: pytest.fail("compiled at load"))
+    monkeypatch.setattr(regions, "compile_method", lambda *a, **k: pytest.fail("compiled at load"))
     saved = bf16["root"] / "saved"
     bf16["model"].save_pretrained(saved)
     loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
@@ -141,6 +141,8 @@ def test_export_uploaded_its_compilation_to_the_hub_cache_repo(bf16) -> None:
     upload = calls["upload_folder"]
     key = upload["path_in_repo"]
     assert upload["repo_id"] == CACHE_REPO
-    assert {"prefill_chunk.pt2", "decode_row.pt2", "decode_step.pt2", ENTRY_NAME} <= set(upload["files"])
+    steps, kinds = ("prefill_chunk", "decode_row", "decode_step"), ("linear_attention", "full_attention")
+    graphs = {f"{step}.{kind}.pt2" for step in steps for kind in kinds}
+    assert {*graphs, "decode_row.head.pt2", "decode_step.head.pt2", ENTRY_NAME} <= set(upload["files"])
     local: Path = bf16["root"] / "compile_cache" / key
     assert sorted(p.name for p in (hub.root / key).iterdir()) == sorted(p.name for p in local.iterdir())

@@ -18,7 +18,7 @@ from conftest import save_tiny_checkpoint
 from helpers import StubHubRepo, assert_greedy_matches_reference, left_padded_prompts
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters import backends
+from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import CompileCache, HubCompileCache
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
@@ -122,7 +122,7 @@ def no_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("compiled although the graphs should have been reused")
 
-    monkeypatch.setattr(backends, "compile_method", refuse)
+    monkeypatch.setattr(regions, "compile_method", refuse)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

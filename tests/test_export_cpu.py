@@ -21,7 +21,8 @@ from helpers import StubHubRepo, left_padded_prompts
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
 from optimum_qwen36.engine import SamplingParams
-from optimum_qwen36.exporters import artifact, backends
+from optimum_qwen36.exporters import artifact, backends, regions
+from optimum_qwen36.exporters.backends import STEPS
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
@@ -53,7 +54,7 @@ def no_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("compiled although the graphs should have been reused")
 
-    monkeypatch.setattr(backends, "compile_method", refuse)
+    monkeypatch.setattr(regions, "compile_method", refuse)
 
 
 def _greedy(model, **kwargs) -> torch.Tensor:
@@ -84,20 +85,19 @@ def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> 
     assert {"README.md", artifact.MANIFEST_NAME, "model.safetensors", "neuron_config.json"} <= {
         p.name for p in saved.iterdir()
     }
-    assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= {
-        "prefill_chunk.pt2",
-        "decode_row.pt2",
-        "decode_step.pt2",
-    }
+    # One graph per layer kind for each step, and the heads of the decode steps (prefill runs decode_row's).
+    layers = {f"{step}.{kind}.pt2" for step in STEPS for kind in ("linear_attention", "full_attention")}
+    heads = {"decode_row.head.pt2", "decode_step.head.pt2"}
+    assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= layers | heads
     script = f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import StubHubRepo, left_padded_prompts
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters import backends
+from optimum_qwen36.exporters import backends, regions
 def refuse(*args, **kwargs):
     raise AssertionError("compiled at load")
-backends.compile_method = refuse
+regions.compile_method = refuse
 model = NeuronQwen36ForCausalLM.from_pretrained({str(saved)!r})
 ids, mask = left_padded_prompts({PROMPT_LENGTHS}, seed=1)
 out = model.generate(ids, attention_mask=mask, max_new_tokens={NEW_TOKENS}, do_sample=False)

@@ -74,6 +74,14 @@ def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.M
     assert ran == [("decode_row", 1), ("decode_step", 2)]
 
 
-def test_a_compiled_directory_without_its_graphs_is_refused(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"needed: prefill_chunk\.pt2, decode_row\.pt2"):
-        AOTIBackend(tmp_path, {}, "cpu")
+def test_a_compiled_directory_without_its_graphs_is_refused(tiny_checkpoint, tmp_path) -> None:
+    checkpoint, _ = tiny_checkpoint()
+    model = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager")
+    (tmp_path / "decode_row.head.pt2").write_bytes(b"")
+    message = (
+        r"found: decode_row\.head\.pt2; needed: prefill_chunk\.linear_attention\.pt2, "
+        r"prefill_chunk\.full_attention\.pt2, decode_row\.head\.pt2, decode_row\.linear_attention\.pt2, "
+        r"decode_row\.full_attention\.pt2 and"
+    )
+    with pytest.raises(FileNotFoundError, match=message):
+        AOTIBackend(tmp_path, model.model, "cpu")

@@ -17,7 +17,8 @@ from ..ops.native import cpu_flags
 
 MANIFEST_NAME = "export_manifest.json"
 # 2: decode steps take each row's GDN state slot (format 1's graphs do not).
-MANIFEST_FORMAT = 2
+# 3: cpu/cuda steps are compiled by regions, <step>.<region>.pt2 (format 2 has one graph per step).
+MANIFEST_FORMAT = 3
 # SIMD extensions compiled CPU code may use. Inductor builds with -march=native, so a graph compiled on one
 # CPU may execute any of the builder's extensions: the loading CPU must have them all.
 ISA_FLAGS = (

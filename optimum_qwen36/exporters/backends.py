@@ -1,8 +1,9 @@
 """Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
 
-- `cpu` / `cuda`: AOTInductor packages (`compiled/prefill_chunk.pt2`, `compiled/decode_row.pt2` for one-row
-  decode steps and, when the exported batch is larger, `compiled/decode_step.pt2` for 2..batch rows) whose
-  weights are the model's own tensors (memory-mapped from safetensors), bound at load.
+- `cpu` / `cuda`: AOTInductor packages for three steps, `prefill_chunk`, `decode_row` (one-row decode steps)
+  and, when the exported batch is larger, `decode_step` (2..batch rows); each step is compiled by regions
+  (`compiled/<step>.<region>.pt2`: one graph per decoder-layer kind and the head, regions.py) that take the
+  model's own tensors (memory-mapped from safetensors).
 - `neuron`: see `exporters/neuron.py`.
 """
 
@@ -26,19 +27,19 @@ from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.native import load_native_ops
-from .aoti import CompiledGraph, compile_method
 from .base import EagerBackend, StepBackend, blocks_in_use
 from .compile_cache import CompileCache, compile_key
 from .matvec import MatrixVectorLinears
+from .regions import compile_step, load_step, step_files
 
 logger = logging.getLogger(__name__)
 
 COMPILED_DIR = "compiled"
-# The graphs of the cpu/cuda backend and the model method each one runs. A one-row decode step has its own
-# graph: on cpu its linear layers are traced as matrix-vector products (matvec.py), which stream the weights
-# faster than the matrix-matrix kernels decode_step (2..batch rows) keeps.
-GRAPH_METHODS = {"prefill_chunk": "prefill_chunk", "decode_row": "decode_step", "decode_step": "decode_step"}
-# Tensors a graph needs that are not parameters or buffers of the model (lifted constants), if any.
+# The steps of the cpu/cuda backend. A one-row decode step has its own graphs: on cpu their linear layers are
+# traced as matrix-vector products (matvec.py), which stream the weights faster than the matrix-matrix
+# kernels decode_step (2..batch rows) keeps.
+STEPS = ("prefill_chunk", "decode_row", "decode_step")
+# Tensors the graphs need that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
 
 
@@ -81,31 +82,6 @@ def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
     return [*one_row, "decode_step"] if neuron_config.batch_size > 1 else one_row
 
 
-def step_dynamic_shapes(graph: str, args: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """Every graph's arguments end with (key_cache, value_cache, conv_state, recurrent_state). Left dynamic:
-    - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
-    - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
-      compiled sequence_length;
-    - decode_step's batch (input_ids, positions, slots, block_tables), 2..batch rows, so only the active
-      rows are computed (one row runs decode_row).
-    An example size of 1 would be specialised: such a dimension stays static."""
-    blocks = torch.export.Dim("num_kv_blocks", min=2)
-    kv = ({1: blocks}, {1: blocks}, None, None)
-    max_blocks, rows = args[-5].shape[-1], args[0].shape[0]  # block table(s) come before the caches
-    width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    batch = torch.export.Dim("batch", min=2, max=rows) if graph == "decode_step" and rows > 2 else None
-    if graph == "prefill_chunk":  # input_ids, start_pos, num_valid, slot, block_table [max_blocks]
-        return (None, None, None, None, _dynamic({0: width}), *kv)
-    # decode: input_ids [B, 1], positions [B], slots [B], block_tables [B, max_blocks]
-    rows_dim = _dynamic({0: batch})
-    return (rows_dim, rows_dim, rows_dim, _dynamic({0: batch, 1: width}), *kv)
-
-
-def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
-    """A dynamic_shapes entry without its static (None) dimensions; None when all are static."""
-    return {axis: dim for axis, dim in dims.items() if dim is not None} or None
-
-
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer under every name it has (tied weights appear under each name)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -118,24 +94,26 @@ class AOTIBackend:
 
     decodes_any_batch = True
 
-    def __init__(self, files_dir: Path, weights: dict[str, torch.Tensor], device: str) -> None:
+    def __init__(self, files_dir: Path, model: Qwen36ForCausalLM, device: str) -> None:
         self.name = torch.device(device).type
         self.device = device
         self.files_dir = files_dir
-        extra = files_dir / EXTRA_CONSTANTS
-        constants = {**weights, **(load_file(extra, device=device) if extra.is_file() else {})}
-        if self.name == "cpu" and any(t.dtype == FP8_DTYPE for t in weights.values()):
+        extra_file = files_dir / EXTRA_CONSTANTS
+        extra = load_file(extra_file, device=device) if extra_file.is_file() else {}
+        if self.name == "cpu" and any(t.dtype == FP8_DTYPE for t in model_tensors(model).values()):
             load_native_ops()  # the graphs of FP8 linear layers call its custom op
-        present = [graph for graph in GRAPH_METHODS if (files_dir / f"{graph}.pt2").is_file()]
+        present = [step for step in STEPS if all((files_dir / f).is_file() for f in step_files(model, step))]
         if not {"prefill_chunk", "decode_row"} <= set(present):
+            needed = ", ".join(
+                dict.fromkeys(step_files(model, "prefill_chunk") + step_files(model, "decode_row"))
+            )
+            found = sorted(path.name for path in files_dir.glob("*.pt2"))
             raise FileNotFoundError(
-                f"{files_dir} lacks compiled graphs (found: {present or 'none'}; needed: prefill_chunk.pt2, "
-                "decode_row.pt2 and, for a batch above 1, decode_step.pt2). Re-export the model with "
+                f"{files_dir} lacks compiled graphs of this model (found: {', '.join(found) or 'none'}; "
+                f"needed: {needed} and, for a batch above 1, the decode_step ones). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
-        self.graphs = {
-            graph: CompiledGraph(files_dir / f"{graph}.pt2", constants, device) for graph in present
-        }
+        self.graphs = {step: load_step(model, step, files_dir, extra, device) for step in present}
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         args = blocks_in_use(method, args)
@@ -194,7 +172,7 @@ class AOTIBackend:
                 raise
         else:
             logger.info("Reusing compiled graphs from %s", entry)
-        instance = cls(entry, model_tensors(model), device)
+        instance = cls(entry, model, device)
         if cache is None:
             # No cache to keep the files: they live as long as this backend.
             weakref.finalize(instance, shutil.rmtree, entry, True)
@@ -207,23 +185,15 @@ def _compile_graphs(
     out_dir: Path,
     matrix_vector_rows: bool,
 ) -> None:
-    """Compile each graph (name -> example arguments) to out_dir/<name>.pt2; with matrix_vector_rows,
+    """Compile the regions of each step (name -> example arguments) into out_dir; with matrix_vector_rows,
     decode_row's linear layers are traced as matrix-vector products."""
-    own = model_tensors(model)
     extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
-    for graph, args in tqdm(graphs.items(), desc="Compiling graphs", unit="graph", disable=None):
+    for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
         start = time.perf_counter()
-        constants = compile_method(
-            model,
-            GRAPH_METHODS[graph],
-            args,
-            out_dir / f"{graph}.pt2",
-            dynamic_shapes=step_dynamic_shapes(graph, args),
-            tracing_mode=MatrixVectorLinears() if matrix_vector_rows and graph == "decode_row" else None,
-        )
-        extra.update({n: t.contiguous() for n, t in constants.items() if n not in own})
-        logger.info("Compiled %s in %.1f s", graph, time.perf_counter() - start)
+        mode = MatrixVectorLinears() if matrix_vector_rows and step == "decode_row" else None
+        extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
+        logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
     logger.info("Compiled %s in %.1f s", ", ".join(graphs), time.perf_counter() - total)
@@ -273,7 +243,7 @@ def create_backend(
         if device != "cpu":
             model.to(device)
         if compiled_dir is not None:
-            return AOTIBackend(compiled_dir, model_tensors(model), device)
+            return AOTIBackend(compiled_dir, model, device)
         return AOTIBackend.compile(model, neuron_config, make_cache, cache, device)
     if backend == "neuron":
         from .neuron import NeuronBackend

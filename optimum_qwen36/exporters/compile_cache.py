@@ -77,6 +77,7 @@ def graph_source_digest() -> str:
         Path(__file__).parent / "aoti.py",
         Path(__file__).parent / "backends.py",
         Path(__file__).parent / "matvec.py",
+        Path(__file__).parent / "regions.py",
     ]
     digest = hashlib.sha256()
     for path in sources:

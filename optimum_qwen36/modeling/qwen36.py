@@ -32,6 +32,9 @@ from ..nki import (
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
+# A layer's entry in its kind's cache tensors: an int, or an int64 tensor [1] in a graph shared by layers
+# (indexing with a 0-d tensor would read its value while tracing).
+CacheIndex = int | torch.Tensor
 
 
 @dataclass
@@ -130,7 +133,7 @@ class Qwen36Attention(nn.Module):
         self.q_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex) -> torch.Tensor:
         """hidden [B, T, hidden]. Writes this step's K/V into attention cache entry `cache_idx` at
         `step.write_slots`, then attends over each row's blocks (`step.block_tables`, `step.attend`)."""
         cos, sin, write_slots, block_tables = step.cos, step.sin, step.write_slots, step.block_tables
@@ -145,12 +148,17 @@ class Qwen36Attention(nn.Module):
         # One index_put_ on the whole cache tensor: compiled backends update it in place only in this form
         # (a write through a view such as key_cache[layer] copies the viewed slice on every call).
         block_size = key_cache.shape[2]
-        index = (torch.full_like(write_slots, cache_idx), write_slots // block_size, write_slots % block_size)
+        index = (
+            torch.zeros_like(write_slots) + cache_idx,
+            write_slots // block_size,
+            write_slots % block_size,
+        )
         key_cache.index_put_(index, key)
         value_cache.index_put_(index, value)
-        # Gather each row's blocks into a contiguous [B, S, kv_heads, D] view of its sequence.
-        keys = key_cache[cache_idx][block_tables].flatten(1, 2)
-        values = value_cache[cache_idx][block_tables].flatten(1, 2)
+        # Gather each row's blocks into a contiguous [B, S, kv_heads, D] view of its sequence (one indexing
+        # of the whole cache: a tensor cache_idx must not copy out the layer's whole entry first).
+        keys = key_cache[cache_idx, block_tables].flatten(1, 2)
+        values = value_cache[cache_idx, block_tables].flatten(1, 2)
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
             keys.transpose(1, 2),
@@ -208,11 +216,11 @@ class Qwen36GatedDeltaNet(nn.Module):
         z = z.reshape(batch, seq, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(core, z).reshape(batch, seq, self.value_dim))
 
-    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex) -> torch.Tensor:
         """hidden [B, T, hidden]: a prefill chunk (B = 1) or a decode step (T = 1). Reads the states of the
         rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
-        conv_state = step.conv_state[cache_idx].index_select(0, step.slots)
-        recurrent_state = step.recurrent_state[cache_idx].index_select(0, step.slots)
+        conv_state = step.conv_state[cache_idx, step.slots]
+        recurrent_state = step.recurrent_state[cache_idx, step.slots]
         if step.valid is None:
             out, new_conv, new_recurrent = self.decode(hidden, conv_state, recurrent_state)
         else:
@@ -220,7 +228,7 @@ class Qwen36GatedDeltaNet(nn.Module):
                 hidden, step.valid, step.num_valid, conv_state, recurrent_state
             )
         # One index_put_ on each whole state tensor: compiled backends update it in place only in this form.
-        index = (torch.full_like(step.slots, cache_idx), step.slots)
+        index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
         step.conv_state.index_put_(index, new_conv.to(step.conv_state.dtype))
         step.recurrent_state.index_put_(index, new_recurrent)
         return out
@@ -272,7 +280,8 @@ class Qwen36GatedDeltaNet(nn.Module):
 
 class Qwen36DecoderLayer(nn.Module):
     """A token mixer (GDN or gated attention) and the MLP, each with its pre-norm and residual.
-    `cache_idx` is the layer's entry in its kind's cache tensors (n-th GDN layer, n-th attention layer)."""
+    `cache_idx` is the layer's entry in its kind's cache tensors (n-th GDN layer, n-th attention layer); a
+    graph compiled once for all layers of a kind takes it as an input instead (exporters/regions.py)."""
 
     def __init__(self, config: PretrainedConfig, layer_type: str, cache_idx: int) -> None:
         super().__init__()
@@ -286,9 +295,12 @@ class Qwen36DecoderLayer(nn.Module):
         self.input_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex | None = None
+    ) -> torch.Tensor:
         mixer = self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
-        hidden = hidden + mixer(self.input_layernorm(hidden), step, self.cache_idx)
+        cache_idx = self.cache_idx if cache_idx is None else cache_idx
+        hidden = hidden + mixer(self.input_layernorm(hidden), step, cache_idx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -335,15 +347,7 @@ class Qwen36ForCausalLM(nn.Module):
         blocks = torch.gather(block_tables, 1, positions // block_size)
         return blocks * block_size + positions % block_size
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
-
-    def _decoder(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        for layer in self.model.layers:
-            hidden = layer(hidden, step)
-        return hidden
-
-    def prefill_chunk(
+    def prefill_inputs(
         self,
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
@@ -354,11 +358,8 @@ class Qwen36ForCausalLM(nn.Module):
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run C tokens of the sequence in cache slot `slot`, at positions start_pos..start_pos+C-1.
-
-        input_ids [1, C]; start_pos, num_valid, slot: int64 scalars; block_table [max_blocks] (int64).
-        Returns the float32 logits of the last valid token, [1, vocab]."""
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read."""
         chunk = input_ids.shape[1]
         block_size = key_cache.shape[2]
         offsets = torch.arange(chunk, device=input_ids.device)
@@ -380,9 +381,80 @@ class Qwen36ForCausalLM(nn.Module):
             cos, sin, write_slots, block_tables, attend, slot.reshape(1), valid, num_valid,
             key_cache, value_cache, conv_state, recurrent_state,
         )  # fmt: skip
-        hidden = self._decoder(hidden, step)
-        last = hidden.index_select(1, (num_valid - 1).reshape(1))
-        return self._logits(last).squeeze(1)
+        return hidden, step
+
+    def decode_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The embedded tokens [B, 1, hidden] of a decode step and what its layers read."""
+        block_size = key_cache.shape[2]
+        positions = positions.unsqueeze(1)
+        write_slots = self._slots(positions, block_tables, block_size)
+        key_positions = torch.arange(block_tables.shape[1] * block_size, device=input_ids.device)
+        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        step = StepInputs(
+            cos, sin, write_slots, block_tables, attend, slots, None, None,
+            key_cache, value_cache, conv_state, recurrent_state,
+        )  # fmt: skip
+        return hidden, step
+
+    def decoder(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        for layer in self.model.layers:
+            hidden = layer(hidden, step)
+        return hidden
+
+    @staticmethod
+    def last_valid(hidden: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+        """The hidden state [1, 1, hidden] of a prefill chunk's last valid token."""
+        return hidden.index_select(1, (num_valid - 1).reshape(1))
+
+    def prefill_logits(self, hidden: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+        """float32 logits [1, vocab] of the chunk's last valid token (hidden: the last layer's output)."""
+        return self.decode_logits(self.last_valid(hidden, num_valid))
+
+    def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, vocab] of each row's token (hidden [B, 1, hidden]: the last layer's output)."""
+        return self.lm_head(self.model.norm(hidden)).float().squeeze(1)
+
+    def prefill_chunk(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        slot: torch.Tensor,
+        block_table: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run C tokens of the sequence in cache slot `slot`, at positions start_pos..start_pos+C-1.
+
+        input_ids [1, C]; start_pos, num_valid, slot: int64 scalars; block_table [max_blocks] (int64).
+        Returns the float32 logits of the last valid token, [1, vocab]."""
+        hidden, step = self.prefill_inputs(
+            input_ids,
+            start_pos,
+            num_valid,
+            slot,
+            block_table,
+            key_cache,
+            value_cache,
+            conv_state,
+            recurrent_state,
+        )
+        return self.prefill_logits(self.decoder(hidden, step), num_valid)
 
     def decode_step(
         self,
@@ -397,17 +469,7 @@ class Qwen36ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One token for each of B rows: input_ids [B, 1], positions [B] (int64), slots [B] (int64: the GDN
         state slot of each row, distinct), block_tables [B, max_blocks]. Returns float32 logits [B, vocab]."""
-        block_size = key_cache.shape[2]
-        positions = positions.unsqueeze(1)
-        write_slots = self._slots(positions, block_tables, block_size)
-        key_positions = torch.arange(block_tables.shape[1] * block_size, device=input_ids.device)
-        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
-
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self._rotary(positions, hidden.dtype)
-        step = StepInputs(
-            cos, sin, write_slots, block_tables, attend, slots, None, None,
-            key_cache, value_cache, conv_state, recurrent_state,
-        )  # fmt: skip
-        hidden = self._decoder(hidden, step)
-        return self._logits(hidden).squeeze(1)
+        hidden, step = self.decode_inputs(
+            input_ids, positions, slots, block_tables, key_cache, value_cache, conv_state, recurrent_state
+        )
+        return self.decode_logits(self.decoder(hidden, step))

@@ -1,0 +1,264 @@
+"""Regional compilation: a step runs as one graph per distinct decoder-layer kind, called once per layer.
+
+Compiling a whole-model step makes Inductor generate (and the C++ compiler build) every layer again, so
+export time grows with the layer count. All GDN layers of a Qwen3.5/3.6 model compute the same function of
+different weights, and so do all attention layers. So each step (`prefill_chunk`, `decode_row`,
+`decode_step`) is cut where the model's code is:
+
+- its inputs (embedding, rotary tables, cache slots, mask: `model.prefill_inputs` / `model.decode_inputs`),
+  run eagerly: a few small ops;
+- one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
+  serves every layer of its kind; the caches are updated in place as in a whole-model graph;
+- the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
+  last valid token (`model.last_valid`, eager), so prefill runs decode_row's head graph.
+
+Layers are of one kind when their type, modules and tensor shapes / dtypes agree (an FP8 checkpoint that
+keeps some layer's MLP unquantized gives that layer a kind of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
+from .aoti import CompiledGraph, compile_method
+
+# The StepInputs fields each mixer reads (the others are None in its graph); decode steps have no
+# valid / num_valid.
+LAYER_FIELDS = {
+    "full_attention": ("cos", "sin", "write_slots", "block_tables", "attend", "key_cache", "value_cache"),
+    "linear_attention": ("slots", "valid", "num_valid", "conv_state", "recurrent_state"),
+}
+PREFILL_ONLY_FIELDS = ("valid", "num_valid")
+HEAD = "head"
+HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
+# Whose head graph each step runs (prefill's one-row logits run decode_row's).
+HEAD_OF = {"prefill_chunk": "decode_row", "decode_row": "decode_row", "decode_step": "decode_step"}
+INPUTS_OF = {"prefill_chunk": "prefill_inputs", "decode_row": "decode_inputs", "decode_step": "decode_inputs"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """Layers that one compiled graph serves: `name` (its region's name), their indices, and the names of
+    the tensors each of them passes to the graph (in the graph's argument order)."""
+
+    name: str
+    layer_type: str
+    layers: tuple[int, ...]
+    tensor_names: tuple[str, ...]
+
+
+def layer_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(layer.named_parameters())
+    tensors.update(layer.named_buffers())
+    return {name: t.detach() for name, t in tensors.items()}
+
+
+def layer_kinds(model: Qwen36ForCausalLM) -> list[LayerKind]:
+    """The model's layers grouped by what they compute: type, module structure, tensor shapes and dtypes."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, layer in enumerate(model.model.layers):
+        tensors = layer_tensors(layer)
+        signature = (
+            layer.layer_type,
+            repr(layer),
+            tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items()),
+        )
+        groups.setdefault(signature, []).append(index)
+    kinds, count = [], {}
+    for (layer_type, _, tensors), layers in groups.items():
+        count[layer_type] = count.get(layer_type, 0) + 1
+        name = layer_type if count[layer_type] == 1 else f"{layer_type}-{count[layer_type]}"
+        kinds.append(LayerKind(name, layer_type, tuple(layers), tuple(name for name, _, _ in tensors)))
+    return kinds
+
+
+def region_file(step: str, region: str) -> str:
+    """The package of one region of one step, e.g. `decode_row.linear_attention.pt2`."""
+    return f"{step}.{region}.pt2"
+
+
+def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
+    """The packages a step runs (prefill_chunk's head is decode_row's)."""
+    layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
+    return [*layers, region_file(HEAD_OF[step], HEAD)]
+
+
+def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
+    fields = LAYER_FIELDS[layer_type]
+    return fields if step == "prefill_chunk" else tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
+
+
+class _Call(nn.Module):
+    """`fn(*args)` as the forward of a module holding `module`, so that `functional_call` can swap
+    `module`'s tensors (under the names "module.<name>") while `fn` runs."""
+
+    def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.module = module
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)
+
+
+class _TensorsAsInputs(nn.Module):
+    """Runs `fn(*args)` with `module`'s tensors named `tensor_names` replaced by the trailing arguments.
+
+    `module` is held outside this wrapper's module tree, so `torch.export` sees none of its tensors as the
+    wrapper's own: the replaced ones are graph inputs, and a graph compiled from one layer runs any layer of
+    its kind."""
+
+    def __init__(
+        self, module: nn.Module, fn: Callable[..., torch.Tensor], tensor_names: Sequence[str]
+    ) -> None:
+        super().__init__()
+        object.__setattr__(self, "_call", _Call(module, fn))
+        self.tensor_names = tuple(tensor_names)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        split = len(args) - len(self.tensor_names)
+        tensors = {f"module.{name}": t for name, t in zip(self.tensor_names, args[split:], strict=True)}
+        return torch.func.functional_call(self._call, tensors, args[:split])
+
+
+def layer_region(model: Qwen36ForCausalLM, kind: LayerKind, step: str) -> nn.Module:
+    """A module running the kind's layers: arguments (hidden, *fields, cache_idx, *layer tensors)."""
+    template: Qwen36DecoderLayer = model.model.layers[kind.layers[0]]
+    fields = layer_fields(kind.layer_type, step)
+
+    def run(hidden: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        given = dict(zip(fields, args[:-1], strict=True))
+        step_inputs = StepInputs(**{f.name: given.get(f.name) for f in dataclasses.fields(StepInputs)})
+        return template(hidden, step_inputs, args[-1])
+
+    return _TensorsAsInputs(template, run, kind.tensor_names)
+
+
+def head_region(model: Qwen36ForCausalLM) -> nn.Module:
+    """A module running the head: arguments (hidden [B, 1, hidden], *HEAD_WEIGHTS)."""
+    return _TensorsAsInputs(model, model.decode_logits, HEAD_WEIGHTS)
+
+
+class RegionalStep:
+    """One step of the model run as its regions: the inputs eagerly, then each layer's graph with that
+    layer's tensors, then the head. Called with the step's arguments, as the whole-model method would be."""
+
+    def __init__(
+        self,
+        model: Qwen36ForCausalLM,
+        step: str,
+        layer_graphs: dict[str, CompiledGraph],
+        head_graph: CompiledGraph,
+        device: str,
+    ) -> None:
+        self.step = step
+        self._inputs = getattr(model, INPUTS_OF[step])
+        self._last_valid = model.last_valid if step == "prefill_chunk" else None
+        self.layer_graphs = layer_graphs
+        self.head_graph = head_graph
+        kind_of = {index: kind for kind in layer_kinds(model) for index in kind.layers}
+        # Per layer, in order: its graph, the StepInputs fields it reads, and its trailing arguments.
+        self._layers: list[tuple[CompiledGraph, tuple[str, ...], list[torch.Tensor]]] = []
+        for index, layer in enumerate(model.model.layers):
+            kind, tensors = kind_of[index], layer_tensors(layer)
+            cache_idx = torch.tensor([layer.cache_idx], device=device)
+            tail = [cache_idx, *(tensors[name] for name in kind.tensor_names)]
+            self._layers.append((layer_graphs[kind.name], layer_fields(kind.layer_type, step), tail))
+        own = dict(model.named_parameters(remove_duplicate=False))
+        self._head_weights = [own[name].detach() for name in HEAD_WEIGHTS]
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        hidden, inputs = self._inputs(*args)
+        for graph, fields, tail in self._layers:
+            hidden = graph(hidden, *(getattr(inputs, field) for field in fields), *tail)
+        if self._last_valid is not None:
+            hidden = self._last_valid(hidden, inputs.num_valid)
+        return self.head_graph(hidden, *self._head_weights)
+
+
+def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, Any] | None]:
+    """Dynamic dimensions of the region arguments, by StepInputs field ("hidden" too). Left dynamic:
+    - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
+    - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
+      compiled sequence_length (the mask's key axis is that width times the block size);
+    - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row).
+    An example size of 1 would be specialised: such a dimension stays static."""
+    max_blocks, block_size = inputs.block_tables.shape[1], inputs.key_cache.shape[2]
+    blocks = torch.export.Dim("num_kv_blocks", min=2)
+    width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
+    batch = torch.export.Dim("batch", min=2, max=max_rows) if step == "decode_step" and max_rows > 2 else None
+    rows = _dynamic({0: batch})
+    return {
+        "hidden": rows,
+        "cos": rows,
+        "sin": rows,
+        "write_slots": rows,
+        "block_tables": _dynamic({0: batch, 1: width}),
+        "attend": _dynamic({0: batch, 2: None if width is None else width * block_size}),
+        "key_cache": {1: blocks},
+        "value_cache": {1: blocks},
+        "slots": rows,
+    }
+
+
+def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
+    """A dynamic_shapes entry without its static (None) dimensions; None when all are static."""
+    return {axis: dim for axis, dim in dims.items() if dim is not None} or None
+
+
+def compile_step(
+    model: Qwen36ForCausalLM,
+    step: str,
+    step_args: tuple[torch.Tensor, ...],
+    out_dir: Path,
+    tracing_mode: TorchFunctionMode | None = None,
+) -> dict[str, torch.Tensor]:
+    """Compile the regions of `step`, traced with its example arguments, to out_dir/<step>.<region>.pt2.
+    Returns the tensors the traced code made itself that must be bound at load, as "<file>/<name>"."""
+    with torch.no_grad():
+        hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
+    dims = _dims(step, inputs, max_rows=step_args[0].shape[0])
+    regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
+    for kind in layer_kinds(model):
+        fields = layer_fields(kind.layer_type, step)
+        layer = model.model.layers[kind.layers[0]]
+        tensors = layer_tensors(layer)
+        cache_idx = torch.tensor([layer.cache_idx], device=hidden.device)
+        step_tensors = tuple(getattr(inputs, field) for field in fields)
+        args = (hidden, *step_tensors, cache_idx, *(tensors[name] for name in kind.tensor_names))
+        shapes = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * (1 + len(tensors))]
+        regions.append((kind.name, layer_region(model, kind, step), args, shapes))
+    if HEAD_OF[step] == step:
+        own = dict(model.named_parameters(remove_duplicate=False))
+        head_args = (hidden, *(own[name].detach() for name in HEAD_WEIGHTS))
+        regions.append((HEAD, head_region(model), head_args, [dims["hidden"], None, None]))
+    extra: dict[str, torch.Tensor] = {}
+    for region, module, args, shapes in regions:
+        file = region_file(step, region)
+        constants = compile_method(
+            module, "forward", args, out_dir / file, dynamic_shapes=shapes, tracing_mode=tracing_mode
+        )
+        extra.update({f"{file}/{name}": t.contiguous() for name, t in constants.items()})
+    return extra
+
+
+def load_step(
+    model: Qwen36ForCausalLM, step: str, files_dir: Path, extra: dict[str, torch.Tensor], device: str
+) -> RegionalStep:
+    """The step's region graphs from files_dir (and the tensors `compile_step` returned), bound to model."""
+
+    def graph(file: str) -> CompiledGraph:
+        own = {name.removeprefix(f"{file}/"): t for name, t in extra.items() if name.startswith(f"{file}/")}
+        return CompiledGraph(files_dir / file, own, device)
+
+    layer_graphs = {kind.name: graph(region_file(step, kind.name)) for kind in layer_kinds(model)}
+    return RegionalStep(model, step, layer_graphs, graph(region_file(HEAD_OF[step], HEAD)), device)
