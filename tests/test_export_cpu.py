@@ -135,17 +135,17 @@ def test_second_export_reuses_the_compile_cache(exported, no_compilation) -> Non
 def test_tampered_or_mismatched_artifacts_are_refused(exported, tmp_path: Path, no_compilation) -> None:
     saved = exported[4]
     tampered = shutil.copytree(saved, tmp_path / "tampered")
-    graph = tampered / backends.COMPILED_DIR / "decode_step.pt2"
+    graph = tampered / backends.COMPILED_DIR / "decode_step.linear_attention.pt2"
     data = bytearray(graph.read_bytes())
     data[len(data) // 2] ^= 0xFF
     graph.write_bytes(bytes(data))
-    with pytest.raises(artifact.ArtifactIntegrityError, match=r"decode_step\.pt2"):
+    with pytest.raises(artifact.ArtifactIntegrityError, match=r"decode_step\.linear_attention\.pt2"):
         NeuronQwen36ForCausalLM.from_pretrained(tampered)
 
     for field, value, error in (
         ("torch", "2.0.0", artifact.ArtifactVersionError),
         ("tp_degree", 2, artifact.ArtifactTopologyError),
-        ("format", 1, artifact.ArtifactVersionError),  # steps that took no GDN slots
+        ("format", 2, artifact.ArtifactVersionError),  # whole-step graphs
     ):
         other = shutil.copytree(saved, tmp_path / field)
         manifest = json.loads((other / artifact.MANIFEST_NAME).read_text())
@@ -188,9 +188,8 @@ def test_push_to_hub_then_load_the_snapshot(
     assert hub.calls[0][1]["private"] is True
     upload = hub.calls[2][1]
     assert upload["repo_id"] == "me/tiny-qwen36" and upload["revision"] == "v1"
-    assert {"compiled/decode_step.pt2", "compiled/prefill_chunk.pt2", artifact.MANIFEST_NAME} <= set(
-        upload["files"]
-    )
+    graphs = {"compiled/decode_step.head.pt2", "compiled/prefill_chunk.linear_attention.pt2"}
+    assert {*graphs, artifact.MANIFEST_NAME} <= set(upload["files"])
 
     snapshot = shutil.copytree(saved, tmp_path / "snapshot")
     import huggingface_hub

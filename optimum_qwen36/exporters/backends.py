@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.native import load_native_ops
+from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use
 from .compile_cache import CompileCache, compile_key
 from .matvec import MatrixVectorLinears
@@ -113,7 +115,14 @@ class AOTIBackend:
                 f"needed: {needed} and, for a batch above 1, the decode_step ones). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
-        self.graphs = {step: load_step(model, step, files_dir, extra, device) for step in present}
+
+        @functools.cache
+        def load(file: str) -> CompiledGraph:  # prefill_chunk and decode_row share a head graph
+            prefix = f"{file}/"
+            own = {name.removeprefix(prefix): t for name, t in extra.items() if name.startswith(prefix)}
+            return CompiledGraph(files_dir / file, own, device)
+
+        self.graphs = {step: load_step(model, step, load, device) for step in present}
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         args = blocks_in_use(method, args)

@@ -252,13 +252,8 @@ def compile_step(
 
 
 def load_step(
-    model: Qwen36ForCausalLM, step: str, files_dir: Path, extra: dict[str, torch.Tensor], device: str
+    model: Qwen36ForCausalLM, step: str, load: Callable[[str], CompiledGraph], device: str
 ) -> RegionalStep:
-    """The step's region graphs from files_dir (and the tensors `compile_step` returned), bound to model."""
-
-    def graph(file: str) -> CompiledGraph:
-        own = {name.removeprefix(f"{file}/"): t for name, t in extra.items() if name.startswith(f"{file}/")}
-        return CompiledGraph(files_dir / file, own, device)
-
-    layer_graphs = {kind.name: graph(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    return RegionalStep(model, step, layer_graphs, graph(region_file(HEAD_OF[step], HEAD)), device)
+    """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
+    layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
+    return RegionalStep(model, step, layer_graphs, load(region_file(HEAD_OF[step], HEAD)), device)
