@@ -160,13 +160,17 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   } else {
     // Tiles start on a block-row boundary, so each tile's scales are whole rows of scale_inv.
     const int64_t tile = std::max<int64_t>(block_rows, kTileRows / block_rows * block_rows);
+    // bf16 activations multiply bf16 tiles: ATen's bf16 kernels (AMX / avx512_bf16 where present) instead of
+    // a float32 product.
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const at::Tensor xm = bf16 ? x.reshape({-1, K}).contiguous() : x2d;
     at::Tensor dequantized = at::empty({std::min(tile, M), K}, x2d.options());
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
       const int64_t m1 = std::min(M, m0 + tile);
       at::Tensor part = dequantized.narrow(0, 0, m1 - m0);
       dequantize_rows(w_ptr, s.data_ptr<float>(), m0, m1, K, block_rows, block_cols, scale_cols,
                       part.data_ptr<float>());
-      y.narrow(1, m0, m1 - m0).copy_(at::mm(x2d, part.t()));
+      y.narrow(1, m0, m1 - m0).copy_(at::mm(xm, (bf16 ? part.to(at::kBFloat16) : part).t()));
     }
   }
   return y.to(x.scalar_type()).reshape(out_shape);
