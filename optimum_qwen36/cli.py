@@ -64,6 +64,13 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         help="with --quantization fp8: the MLP linears only, or every attention / GDN / MLP linear (default)",
     )
     parser.add_argument("--kv-block-size", type=int, default=64, help="attention KV block size (default 64)")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="MTP speculative decoding: tokens the checkpoint's MTP layer drafts per step, 1..3 (default 0: "
+        "off; the engine and serve use it)",
+    )
     parser.add_argument("--revision", default=None, help="Hub revision of MODEL")
     parser.add_argument(
         "--compile-cache-dir", default=None, help="default: $OPTIMUM_QWEN36_CACHE or ~/.cache"
@@ -87,6 +94,7 @@ def _settings(args: argparse.Namespace) -> dict:
         kv_block_size=args.kv_block_size,
         quantization=args.quantization,
         fp8_modules=args.fp8_modules,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 

@@ -19,6 +19,10 @@ SUPPORTED_QUANTIZATIONS = ("fp8",)
 FP8_MODULE_SETS = ("mlp", "linear")
 CHECKPOINT_FP8_MODULES = "checkpoint"
 SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
+# MTP speculative decoding drafts 1..3 tokens per step with the checkpoint's one MTP layer.
+MAX_SPECULATIVE_TOKENS = 3
+# Backends whose verify and draft steps exist (the compiled ones do not compile them yet).
+SPECULATIVE_BACKENDS = ("eager",)
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -65,6 +69,8 @@ class Qwen36NeuronConfig:
     # Weight quantization: None, or "fp8" (block-scaled e4m3 weights, 1 byte each) for `fp8_modules`.
     quantization: str | None = None
     fp8_modules: str | None = None
+    # MTP speculative decoding: tokens the checkpoint's multi-token-prediction layer drafts per step (0: off).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -85,6 +91,7 @@ class Qwen36NeuronConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Qwen36NeuronConfig.{name} must be a positive integer, got {value!r}.")
+        self._check_speculative()
         if not isinstance(self.prefix_cache_bytes, int) or self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}.")
         if self.backend not in SUPPORTED_BACKENDS:
@@ -100,6 +107,27 @@ class Qwen36NeuronConfig:
             raise ValueError(
                 f"tp_degree={self.tp_degree}: tensor parallelism is not implemented yet; every backend runs "
                 "the whole model in one process (tp_degree=1)."
+            )
+
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS} "
+                f"(0: no speculative decoding), got {k!r}."
+            )
+        if not k:
+            return
+        if self.backend not in SPECULATIVE_BACKENDS:
+            raise ValueError(
+                f"num_speculative_tokens={k} runs on the {' / '.join(SPECULATIVE_BACKENDS)} backend only "
+                f"in this version: the {self.backend!r} backend does not compile the verify and MTP draft "
+                "steps yet. Export with backend='eager', or without num_speculative_tokens."
+            )
+        if self.quantization is not None:
+            raise ValueError(
+                f"num_speculative_tokens={k} with quantization={self.quantization!r} is not supported yet: "
+                "the MTP layer loads bf16 / fp32 weights only."
             )
 
     @property

@@ -91,3 +91,39 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Module
         return save_tiny_checkpoint(tmp_path / f"ckpt{next(counter)}", layout, seed, **overrides)
 
     return make
+
+
+def mtp_tensor_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
+    """The 15 `mtp.*` tensors of Qwen3.5/3.6 checkpoints (transformers does not model them)."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim, inter = config.head_dim, config.intermediate_size
+    layer = "mtp.layers.0."
+    return {
+        "mtp.fc.weight": (hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,),
+        "mtp.norm.weight": (hidden,),
+        layer + "input_layernorm.weight": (hidden,),
+        layer + "post_attention_layernorm.weight": (hidden,),
+        layer + "self_attn.q_proj.weight": (2 * heads * head_dim, hidden),  # query and gate per head
+        layer + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        layer + "self_attn.q_norm.weight": (head_dim,),
+        layer + "self_attn.k_norm.weight": (head_dim,),
+        layer + "mlp.gate_proj.weight": (inter, hidden),
+        layer + "mlp.up_proj.weight": (inter, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def add_random_mtp_weights(directory: Path, config: Qwen3_5TextConfig, seed: int = 0) -> None:
+    """Write random `mtp.*` weights next to a saved checkpoint, in the official key layout."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in mtp_tensor_shapes(config).items():
+        scale = 0.2 if len(shape) == 1 else config.initializer_range
+        tensors[name] = torch.randn(shape, generator=generator) * scale
+    save_file(tensors, str(directory / "mtp.safetensors"))

@@ -68,16 +68,18 @@ def sampled_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request records the logits its tokens were sampled from, step by step (`request.logits`)."""
     from optimum_qwen36.engine import engine as engine_module
 
-    step: dict[str, torch.Tensor] = {}
+    step: dict[str, Any] = {}
     real_sample, real_append = engine_module.sample, engine_module.Engine._append
 
     def sample(logits: torch.Tensor, rows: list) -> Any:
-        step["logits"] = logits
+        step["logits"], step["row"] = logits, 0
         return real_sample(logits, rows)
 
-    def append(self, request, row: int, sampled) -> Any:
-        request.__dict__.setdefault("logits", []).append(step["logits"][row].clone())
-        return real_append(self, request, row, sampled)
+    def append(self, request, tokens) -> Any:
+        # The engine appends the sampled rows' tokens in the order it sampled them.
+        request.__dict__.setdefault("logits", []).append(step["logits"][step["row"]].clone())
+        step["row"] += 1
+        return real_append(self, request, tokens)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     monkeypatch.setattr(engine_module.Engine, "_append", append)

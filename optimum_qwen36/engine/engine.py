@@ -5,6 +5,13 @@ prefill chunks for the rest of the token budget), runs it (one decode call over 
 one prefill call per chunk), samples every request that has new logits in one vectorised pass, and returns
 what each request produced. `abort` frees a request's slot and blocks at once.
 
+With MTP speculative decoding (a model exported with `num_speculative_tokens` k), each decoding request
+verifies its drafts in the step: one verify call feeds every decoding request its last token and up to k
+drafts; `sampling.verify_drafts` keeps the accepted ones and one more token; the request's slot continues
+from the GDN state after its last kept token (the verify step leaves the slots alone and writes the state
+after each position apart), and KV written past it is overwritten before it is ever read. The MTP layer
+(speculative.py) then drafts again.
+
 The GDN state of a request lives in its slot of the cache from admission to finish; its KV blocks come from
 the prefix cache's pool. Prefix caching is a policy the scheduler consults: lookup at admission (the engine
 restores the hit's GDN checkpoint into the slot), checkpoints stored where prefill chunks end, blocks
@@ -15,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +34,18 @@ from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .request import FinishReason, Request, RequestOutput, RequestState
 from .runner import ModelRunner
-from .sampling import SampledTokens, SamplingParams, SamplingRow, TokenConstraint, sample
-from .scheduler import PrefillChunk, Scheduler
+from .sampling import SamplingParams, SamplingRow, TokenConstraint, VerifiedToken, sample, verify_drafts
+from .scheduler import PrefillChunk, Scheduler, StepPlan
+from .speculative import CatchUp, MTPDrafter
+
+
+@dataclass
+class VerifyStep:
+    """A verify call: its requests, the position each started at, and the hidden states [B, k + 1, hidden]."""
+
+    requests: list[Request]
+    starts: list[int]
+    hidden: torch.Tensor
 
 
 class Engine:
@@ -51,14 +69,24 @@ class Engine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        # Every running request decodes one token per step; one prefill chunk fills the rest by default.
+        self.num_speculative_tokens = cache.num_speculative_tokens
+        decode_tokens = self.max_num_seqs * (1 + self.num_speculative_tokens)
+        # Every running request decodes (and verifies its drafts) each step; one prefill chunk fills the rest
+        # by default.
         self.scheduler = Scheduler(
             prefix_cache,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or prefill_chunk_size + self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or prefill_chunk_size + decode_tokens,
             prefill_chunk_size=prefill_chunk_size,
             max_model_len=cache.sequence_length,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
+        self.drafter: MTPDrafter | None = None
+        if self.num_speculative_tokens:
+            self.drafter = MTPDrafter(self.runner, self.num_speculative_tokens, self._table)
+        # Per draft position: drafts verified, and drafts accepted.
+        self._drafted = [0] * self.num_speculative_tokens
+        self._accepted = [0] * self.num_speculative_tokens
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -106,7 +134,9 @@ class Engine:
         request = self.scheduler.abort(request_id, cache=not after_error)
         if request is None:
             return None
-        return self._output(request, [], None, finished=True)
+        if self.drafter is not None:
+            self.drafter.forget(request)
+        return self._output(request, [], [], FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -126,6 +156,18 @@ class Engine:
             "blocks": self.prefix_cache.pool.num_blocks - 1,
             **self.scheduler.stats,
             "prefix_cache": self.prefix_cache.stats(),
+            **({"speculative": self.speculative_stats()} if self.drafter else {}),
+        }
+
+    def speculative_stats(self) -> dict[str, Any]:
+        """MTP acceptance: drafts verified and accepted at each draft position, and their ratio."""
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "drafted_per_position": list(self._drafted),
+            "accepted_per_position": list(self._accepted),
+            "acceptance_rate_per_position": [
+                a / d if d else 0.0 for a, d in zip(self._accepted, self._drafted, strict=True)
+            ],
         }
 
     # ------------------------------------------------------------------ one step
@@ -134,20 +176,48 @@ class Engine:
         plan = self.scheduler.schedule()
         for request in plan.admitted:
             self._start(request)
+        kept: list[tuple[Request, list[VerifiedToken]]] = []
+        verified: VerifyStep | None = None
         rows: list[Request] = []
         logits: list[torch.Tensor] = []
-        if plan.decodes:
+        if plan.decodes and self.drafter is not None:
+            verified, verified_kept = self._verify(plan)
+            kept += verified_kept
+        elif plan.decodes:
             logits.append(self._decode(plan.decodes))
             rows += plan.decodes
+        chunk_hidden: list[tuple[PrefillChunk, torch.Tensor]] = []
         for chunk in plan.prefills:
-            chunk_logits = self._prefill(chunk)
+            chunk_logits, hidden = self._prefill(chunk)
+            if hidden is not None:
+                chunk_hidden.append((chunk, hidden))
             if chunk.completes:
                 logits.append(chunk_logits)
                 rows.append(chunk.request)
-        if not rows:
-            return []
-        sampled = sample(torch.cat(logits), [self._sampling_row(r) for r in rows])
-        return [self._append(request, i, sampled) for i, request in enumerate(rows)]
+        if rows:
+            sampled = sample(torch.cat(logits), [self._sampling_row(r) for r in rows])
+            for i, request in enumerate(rows):
+                token = VerifiedToken(
+                    int(sampled.tokens[i]), float(sampled.logprobs[i]), sampled.top_logprobs[i]
+                )
+                kept.append((request, [token]))
+        outputs = []
+        finished = []
+        for request, tokens in kept:
+            output = self._append(request, tokens)
+            outputs.append(output)
+            if output.finish_reason is not None:
+                finished.append((request, output.finish_reason))
+        if verified is not None:
+            self._keep_verified(verified, {o.request_id: len(o.new_token_ids) for o in outputs})
+        if self.drafter is not None:
+            self._draft(verified, chunk_hidden, {request.request_id for request, _ in finished})
+        # Last: finishing releases the request's blocks, which the steps above still wrote.
+        for request, reason in finished:
+            self.scheduler.finish(request, reason)
+            if self.drafter is not None:
+                self.drafter.forget(request)
+        return outputs
 
     def run(self) -> dict[str, Request]:
         """Step until every queued request is finished; returns them by id (tests, offline use)."""
@@ -183,27 +253,116 @@ class Engine:
             self._computed(request, request.num_computed + 1)
         return logits
 
-    def _prefill(self, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's logits after its last token, and (speculative decoding) its hidden states."""
         request = chunk.request
-        logits = self.runner.prefill(
+        args = (
             request.token_ids[chunk.start : chunk.end],
             chunk.start,
             self.scheduler.slot_of(request),
             self._table(request),
         )
+        if self.drafter is not None:
+            logits, hidden = self.runner.prefill_hidden(*args)
+        else:
+            logits, hidden = self.runner.prefill(*args), None
         self._computed(request, chunk.end)
-        return logits
+        return logits, hidden
 
-    def _computed(self, request: Request, num_computed: int) -> None:
+    def _verify(self, plan: StepPlan) -> tuple[VerifyStep, list[tuple[Request, list[VerifiedToken]]]]:
+        """One verify call over the decoding requests: each feeds its last token and its drafts. Returns the
+        step, and the tokens each request keeps."""
+        requests = plan.decodes
+        assert self.drafter is not None
+        self.drafter.extend(requests, plan.num_drafts)
+        tokens = torch.zeros((len(requests), 1 + self.num_speculative_tokens), dtype=torch.long)
+        for i, request in enumerate(requests):
+            fed = [request.output_ids[-1], *request.draft_ids]
+            tokens[i, : len(fed)] = torch.tensor(fed)
+        starts = [request.num_computed for request in requests]
+        logits, hidden = self.runner.verify(
+            tokens,
+            torch.tensor(starts),
+            torch.tensor([1 + len(request.draft_ids) for request in requests]),
+            torch.tensor([self.scheduler.slot_of(request) for request in requests]),
+            torch.stack([self._table(request) for request in requests]),
+        )
+        kept = []
+        for i, request in enumerate(requests):
+            drafts = request.draft_ids
+            verified = verify_drafts(logits[i, : 1 + len(drafts)], self._sampling_row(request), drafts)
+            for position in range(len(drafts)):
+                self._drafted[position] += 1
+                self._accepted[position] += position < len(verified) - 1
+            kept.append((request, verified))
+        return VerifyStep(requests, starts, hidden), kept
+
+    def _keep_verified(self, step: VerifyStep, kept: dict[str, int]) -> None:
+        """Each verified request keeps its first `kept[id]` fed tokens (its last token and the accepted drafts
+        its output kept): its slot continues from the GDN state after them, and checkpoints the prefix cache
+        wants inside them are taken from the states after each position."""
+        for request, start in zip(step.requests, step.starts, strict=True):
+            slot = self.scheduler.slot_of(request)
+
+            def state_after(
+                position: int, slot: int = slot, start: int = start
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.runner.verified_state(slot, position - start - 1)
+
+            self._computed(request, start + kept[request.request_id], state_after)
+            self.runner.keep_verified_state(slot, kept[request.request_id] - 1)
+
+    def _draft(
+        self,
+        verified: VerifyStep | None,
+        chunk_hidden: list[tuple[PrefillChunk, torch.Tensor]],
+        finished: set[str],
+    ) -> None:
+        """The MTP layer over every position the trunk computed this step; a decoding request that goes on
+        gets its first draft from it."""
+        assert self.drafter is not None
+
+        def drafts(request: Request) -> bool:
+            decoding = request.state is RequestState.DECODING and request.request_id not in finished
+            return decoding and request.constraint is None  # a grammar's state cannot follow drafts
+
+        if verified is not None:
+            rows = []
+            for i, (request, start) in enumerate(zip(verified.requests, verified.starts, strict=True)):
+                # The token after each kept position: the step's new tokens.
+                new_tokens = request.output_ids[start - request.num_computed :]
+                rows.append(CatchUp(request, start, new_tokens, verified.hidden[i], drafts(request)))
+            self.drafter.catch_up(rows)
+        for chunk, hidden in chunk_hidden:
+            request = chunk.request
+            next_tokens = request.token_ids[chunk.start + 1 : chunk.end + 1]
+            self.drafter.catch_up([CatchUp(request, chunk.start, next_tokens, hidden[0], drafts(request))])
+
+    def _computed(
+        self,
+        request: Request,
+        num_computed: int,
+        state_after: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """Record that the request's first `num_computed` tokens are in the cache, and keep its GDN state
-        where the prefix cache wants a checkpoint."""
+        where the prefix cache wants a checkpoint: the slot's, or with `state_after` (a verify step) the
+        state after each newly computed position."""
+        before = request.num_computed
         self.scheduler.computed(request, num_computed)
         seq = self.scheduler.sequence_of(request)
-        conv, recurrent = self.runner.slot_state(self.scheduler.slot_of(request))
-        if num_computed in seq.snapshot_positions:
-            self.prefix_cache.store_checkpoint(seq, num_computed, conv, recurrent)
-        elif self.prefix_cache.decode_snapshot_due(seq, num_computed):
-            self.prefix_cache.stage_checkpoint(seq, num_computed, conv, recurrent)
+        positions = range(before + 1, num_computed + 1) if state_after else [num_computed]
+        for position in positions:
+            store = position in seq.snapshot_positions
+            if not store and not self.prefix_cache.decode_snapshot_due(seq, position):
+                continue
+            if state_after is not None:
+                conv, recurrent = state_after(position)
+            else:
+                conv, recurrent = self.runner.slot_state(self.scheduler.slot_of(request))
+            if store:
+                self.prefix_cache.store_checkpoint(seq, position, conv, recurrent)
+            else:
+                self.prefix_cache.stage_checkpoint(seq, position, conv, recurrent)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         return SamplingRow(
@@ -216,30 +375,38 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ results
-    def _append(self, request: Request, row: int, sampled: SampledTokens) -> RequestOutput:
-        token = int(sampled.tokens[row])
-        now = time.monotonic()
-        request.output_ids.append(token)
-        if request.constraint is not None:
-            request.constraint.accept(token)
-        self.scheduler.sequence_of(request).append_tokens([token])
-        request.output_logprobs.append(float(sampled.logprobs[row]))
-        request.token_times.append(now)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.state = RequestState.DECODING
+    def _append(self, request: Request, tokens: list[VerifiedToken]) -> RequestOutput:
+        """Add the step's new tokens to the request, up to the first that ends it (the engine finishes it at
+        the end of the step). Exactly where one-token-at-a-time decoding would stop."""
         detokenizer = self._detokenizers.get(request.request_id)
-        # Like stop tokens, stop strings count only once min_tokens tokens exist (vLLM's rule).
-        stops_allowed = len(request.output_ids) >= request.params.min_tokens
-        text = detokenizer.add([token], stops_allowed) if detokenizer is not None else ""
-        reason = self._finish_reason(request, token, detokenizer)
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            if detokenizer is not None:
-                text += detokenizer.flush()
-        top = sampled.top_logprobs[row]
-        output = self._output(request, [token], top, finished=reason is not None, text=text)
-        output.logprobs = [request.output_logprobs[-1]]
+        new_tokens: list[int] = []
+        tops = []
+        text = ""
+        reason = None
+        for verified in tokens:
+            token = verified.token
+            now = time.monotonic()
+            request.output_ids.append(token)
+            if request.constraint is not None:
+                request.constraint.accept(token)
+            self.scheduler.sequence_of(request).append_tokens([token])
+            request.output_logprobs.append(verified.logprob)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            new_tokens.append(token)
+            tops.append(verified.top_logprobs)
+            # Like stop tokens, stop strings count only once min_tokens tokens exist (vLLM's rule).
+            stops_allowed = len(request.output_ids) >= request.params.min_tokens
+            text += detokenizer.add([token], stops_allowed) if detokenizer is not None else ""
+            reason = self._finish_reason(request, token, detokenizer)
+            if reason is not None:
+                break
+        request.state = RequestState.DECODING
+        if reason is not None and detokenizer is not None:
+            text += detokenizer.flush()
+        output = self._output(request, new_tokens, tops, reason, text=text)
+        output.logprobs = request.output_logprobs[-len(new_tokens) :]
         return output
 
     def _finish_reason(
@@ -260,11 +427,12 @@ class Engine:
         self,
         request: Request,
         new_tokens: list[int],
-        top: tuple[torch.Tensor, torch.Tensor] | None,
-        finished: bool,
+        tops: list[tuple[torch.Tensor, torch.Tensor] | None],
+        reason: FinishReason | None,
         text: str = "",
     ) -> RequestOutput:
-        top_logprobs = [] if top is None else [dict(zip(top[0].tolist(), top[1].tolist(), strict=True))]
+        top_logprobs = [dict(zip(t[0].tolist(), t[1].tolist(), strict=True)) for t in tops if t is not None]
+        finished = reason is not None
         if finished:
             # Its last output: the engine keeps nothing of a finished request.
             self._requests.pop(request.request_id, None)
@@ -275,6 +443,6 @@ class Engine:
             text_delta=text,
             top_logprobs=top_logprobs,
             finished=finished,
-            finish_reason=request.finish_reason,
+            finish_reason=reason,
             cached_prompt_tokens=request.cached_prompt_tokens,
         )

@@ -45,6 +45,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     constraint: TokenConstraint | None = field(default=None, repr=False)  # e.g. a JSON-schema grammar
+    # MTP speculative decoding: tokens drafted after output_ids[-1], verified by the next decode step.
+    draft_ids: list[int] = field(default_factory=list)
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

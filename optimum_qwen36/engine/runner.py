@@ -4,6 +4,8 @@
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
 - `decode`: one token for each of some slots; a backend with a static batch gets the rows beyond the
   caller's as dummy tokens in the cache's scratch slot and the null block, and their logits are dropped.
+- MTP speculative decoding: `prefill` with the chunk's hidden states, `verify` (several tokens per slot,
+  the GDN state after each kept apart until `keep_verified_state`), and `draft` (the MTP layer).
 """
 
 from __future__ import annotations
@@ -27,12 +29,23 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Compute `tokens` (at most one chunk) at positions start.. of the sequence in `slot`, whose blocks
         are `block_table` [max_blocks]; returns the logits after the last one, [1, vocab]."""
+        return self.backend.prefill_chunk(*self._prefill_args(tokens, start, slot, block_table))
+
+    def prefill_hidden(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill`, also returning the normed hidden states of the (padded) chunk, [1, chunk, hidden]."""
+        return self.backend.prefill_chunk_hidden(*self._prefill_args(tokens, start, slot, block_table))
+
+    def _prefill_args(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if not 0 < len(tokens) <= self.prefill_chunk_size:
             raise ValueError(f"a prefill chunk holds 1..{self.prefill_chunk_size} tokens, got {len(tokens)}")
         padded = torch.zeros((1, self.prefill_chunk_size), dtype=torch.long)
         padded[0, : len(tokens)] = tokens
-        return self.backend.prefill_chunk(
+        return (
             padded,
             torch.tensor(start),
             torch.tensor(len(tokens)),
@@ -58,6 +71,54 @@ class ModelRunner:
         tables[:batch, : block_tables.shape[1]] = block_tables
         caches = self.cache.step_tensors()
         return self.backend.decode_step(input_ids, all_positions, all_slots, tables, *caches)[:batch]
+
+    def verify(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        num_valid: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens[i, :num_valid[i]] ([B, k + 1], padded) at positions[i].. to the sequence in slots[i];
+        the slots' GDN states are not changed (see `keep_verified_state`). Returns the logits after each
+        token [B, k + 1, vocab] and the normed hidden states [B, k + 1, hidden]."""
+        return self.backend.verify_step(
+            tokens,
+            positions,
+            num_valid,
+            slots,
+            block_tables,
+            *self.cache.step_tensors(),
+            *self.cache.spec_tensors(),
+        )
+
+    def draft(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        num_valid: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer at positions[i].. (num_valid[i] of them) of row i: tokens [B, T] are the tokens after
+        those positions, hidden [B, T, hidden] the hidden states at them. Returns the draft logits [B, vocab]
+        and the MTP output [B, 1, hidden] at each row's last position."""
+        key_cache, value_cache = self.cache.key_cache, self.cache.value_cache
+        return self.backend.mtp_step(
+            tokens, hidden, positions, num_valid, block_tables, key_cache, value_cache
+        )
+
+    def verified_state(self, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and recurrent states of `slot` after the verify step's token `position` (views)."""
+        spec_conv, spec_recurrent = self.cache.spec_tensors()
+        return spec_conv[:, slot, position], spec_recurrent[:, slot, position]
+
+    def keep_verified_state(self, slot: int, position: int) -> None:
+        """The slot continues from its state after the last verify step's token `position`."""
+        conv, recurrent = self.verified_state(slot, position)
+        self.cache.conv_state[:, slot].copy_(conv)
+        self.cache.recurrent_state[:, slot].copy_(recurrent)
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence starts from zero GDN state, whatever the slot held before."""

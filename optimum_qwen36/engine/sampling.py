@@ -7,6 +7,7 @@ which other requests share the step.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -210,19 +211,71 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledTokens:
         probs = filter_logits(penalized[sampled], chosen).softmax(dim=-1)
         # argmax(p / E) with E ~ Exp(1) is a draw from p (torch.multinomial's rule); each row's noise comes
         # from its own generator, so its draw does not depend on the other rows.
-        noise = torch.stack(
-            [torch.empty(probs.shape[-1]).exponential_(generator=row.generator) for row in chosen]
-        ).clamp_min(torch.finfo(torch.float32).tiny)  # a zero draw would make 0 / 0 of filtered tokens
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
-    top: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
-        if k:
-            values, ids = model_logprobs[i].topk(k)
-            top.append((ids, values))
-        else:
-            top.append(None)
+        tokens[sampled] = torch.stack([_draw(p, row.generator) for p, row in zip(probs, chosen, strict=True)])
+    top = [_top_logprobs(model_logprobs[i], row) for i, row in enumerate(rows)]
     return SampledTokens(tokens, model_logprobs.gather(1, tokens[:, None]).squeeze(1), top)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A token drawn from probs [vocab]: argmax(p / E) with E ~ Exp(1) (torch.multinomial's rule), the noise
+    from the row's own generator, so its draw does not depend on the other rows."""
+    noise = torch.empty(probs.shape[-1]).exponential_(generator=generator)
+    # A zero draw would make 0 / 0 of filtered tokens.
+    return (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def _top_logprobs(logprobs: torch.Tensor, row: SamplingRow) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not row.params.logprobs:
+        return None
+    values, ids = logprobs.topk(row.params.logprobs)
+    return ids, values
+
+
+@dataclass
+class VerifiedToken:
+    """A token that speculative decoding keeps, its log-probability under the model's distribution and
+    (when the row asked) the top log-probabilities at its position."""
+
+    token: int
+    logprob: float
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def verify_drafts(logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]) -> list[VerifiedToken]:
+    """The tokens one row keeps from a verify step: the drafts the target accepts, in order, then one token
+    of the target's own (a correction where a draft was rejected, or the token after the last draft).
+
+    logits [len(drafts) + 1, vocab] (float32) are the target's after the row's last token and after each
+    draft. Each position is processed with the row's settings and the tokens kept before it (penalties,
+    min_tokens). The drafts are greedy proposals (a point mass), so speculative sampling's rule (Leviathan
+    et al. 2023) keeps draft d with probability p(d) and otherwise draws from p with d removed: the kept
+    tokens are distributed exactly as sampling one token at a time. A greedy row keeps a draft when it is
+    the argmax, so its tokens are those of greedy decoding."""
+    model_logprobs = logits.float().log_softmax(dim=-1)
+    output_ids = list(row.output_ids)
+    kept: list[VerifiedToken] = []
+    for position in range(len(drafts) + 1):
+        current = dataclasses.replace(row, output_ids=output_ids)
+        penalized = apply_penalties(logits[position : position + 1].float(), [current])
+        draft = drafts[position] if position < len(drafts) else None
+        if row.params.greedy:
+            token = int(penalized.argmax(dim=-1))
+            accepted = token == draft
+        else:
+            probs = filter_logits(penalized, [current]).softmax(dim=-1)[0]
+            accepted = draft is not None and bool(torch.rand((), generator=row.generator) < probs[draft])
+            if accepted:
+                token = int(draft)
+            else:
+                if draft is not None:
+                    probs = probs.index_fill(0, torch.tensor([draft]), 0.0)
+                token = int(_draw(probs, row.generator))
+        top = _top_logprobs(model_logprobs[position], row)
+        kept.append(VerifiedToken(token, float(model_logprobs[position, token]), top))
+        output_ids.append(token)
+        if not accepted:
+            return kept
+    return kept
 
 
 def request_generator(seed: int | None) -> torch.Generator:

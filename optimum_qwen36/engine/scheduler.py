@@ -1,8 +1,10 @@
 """The scheduler: each step is a plan under a token budget. It plans; `Engine.step` executes.
 
-- Every decoding request advances one token per step; prefill chunks of prefilling requests, then of newly
-  admitted ones (first come, first served), fill the rest of `max_num_batched_tokens`. A chunk is at most
-  the compiled prefill chunk, so a long prompt delays running decodes by at most one chunk per step.
+- Every decoding request advances one token per step (with MTP speculative decoding, its drafts are
+  verified in the same step: it is planned 1 + drafts positions); prefill chunks of prefilling requests,
+  then of newly admitted ones (first come, first served), fill the rest of `max_num_batched_tokens`. A
+  chunk is at most the compiled prefill chunk, so a long prompt delays running decodes by at most one
+  chunk per step.
 - A request is admitted when a GDN state slot is free (there are `max_num_seqs`, the compiled batch) and the
   KV blocks of its first chunk can be had. KV blocks come from the prefix cache's one pool: a finished
   request's blocks become reusable prefix blocks (with `prefix_caching` off the cache keeps none).
@@ -47,10 +49,13 @@ class StepPlan:
     prefills: list[PrefillChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # start this step: restore or zero their slots
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: how many of its drafts each decoding request verifies (by request id).
+    num_drafts: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        drafts = sum(self.num_drafts.get(r.request_id, 0) for r in self.decodes)
+        return len(self.decodes) + drafts + sum(c.num_tokens for c in self.prefills)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
@@ -71,6 +76,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk_size: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs + 1:
             raise ValueError(
@@ -82,6 +88,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -129,8 +136,11 @@ class Scheduler:
             request = entry.request
             if request.request_id not in self._running or request.state is not RequestState.DECODING:
                 continue
-            if self._reserve(entry, request.num_computed + 1, plan, decode=True):
+            drafts = self._num_drafts(request)
+            if self._reserve(entry, request.num_computed + 1 + drafts, plan, decode=True):
                 plan.decodes.append(request)
+                if drafts:
+                    plan.num_drafts[request.request_id] = drafts
         for entry in list(self._running.values()):
             budget = self.max_num_batched_tokens - plan.num_tokens
             prefilling = entry.request.state is RequestState.PREFILLING
@@ -146,6 +156,13 @@ class Scheduler:
             plan.admitted.append(entry.request)
             self._plan_prefill(entry, budget, plan)
         return plan
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts the request verifies this step: all that its MTP layer makes (it drafts only when it has a
+        first draft), within the model length (the last draft's position must exist)."""
+        if not request.draft_ids:
+            return 0
+        return max(0, min(self.num_speculative_tokens, self.max_model_len - request.num_tokens))
 
     def _plan_prefill(self, entry: _Running, budget: int, plan: StepPlan) -> None:
         request = entry.request
@@ -214,10 +231,12 @@ class Scheduler:
         request.state = RequestState.WAITING
         request.num_computed = 0
         request.num_preemptions += 1
+        request.draft_ids.clear()  # drafted again once its prompt and outputs are recomputed
         self.waiting.appendleft(request)
         plan.decodes = [r for r in plan.decodes if r is not request]
         plan.prefills = [c for c in plan.prefills if c.request is not request]
         plan.admitted = [r for r in plan.admitted if r is not request]
+        plan.num_drafts.pop(request.request_id, None)
         plan.preempted.append(request)
         self.stats["preemptions"] += 1
 

@@ -23,6 +23,14 @@ class StepBackend(Protocol):
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
 
+    # MTP speculative decoding (`Qwen36ForCausalLM.prefill_chunk_hidden`, `.verify_step`, `.mtp_step`):
+    # only backends listed in neuron_config.SPECULATIVE_BACKENDS have these.
+    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def save(self, directory: Path) -> None:
         """Write what a saved model needs to run this backend without compiling (under directory)."""
 
@@ -39,6 +47,15 @@ def blocks_in_use(method: str, args: tuple[torch.Tensor, ...]) -> tuple[torch.Te
     input_ids, positions, slots, block_tables, *caches = args
     used = int(positions.max()) // block_size + 1
     return (input_ids, positions, slots, block_tables[:, :used].contiguous(), *caches)
+
+
+def rows_blocks_in_use(
+    start_pos: torch.Tensor, num_valid: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The block tables [B, max_blocks] of a step of several tokens per row, cut to the blocks holding its
+    positions (see `blocks_in_use`)."""
+    used = -(-int((start_pos + num_valid).max()) // block_size)
+    return block_tables[:, :used].contiguous()
 
 
 class EagerBackend:
@@ -58,6 +75,22 @@ class EagerBackend:
     @torch.no_grad()
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         return self.model.decode_step(*blocks_in_use("decode_step", args))
+
+    @torch.no_grad()
+    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.prefill_chunk_hidden(*blocks_in_use("prefill_chunk", args))
+
+    @torch.no_grad()
+    def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, start_pos, num_valid, slots, block_tables, key_cache, *states = args
+        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
+        return self.model.verify_step(input_ids, start_pos, num_valid, slots, tables, key_cache, *states)
+
+    @torch.no_grad()
+    def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = args
+        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
+        return self.model.mtp_step(input_ids, hidden, start_pos, num_valid, tables, key_cache, value_cache)
 
     def save(self, directory: Path) -> None:
         """Nothing compiled: the weights and settings the model saves are all it needs."""

@@ -22,6 +22,9 @@ class Qwen36HybridCache(Cache):
     - `conv_state`: [n_gdn_layers, batch_size + 1, conv_dim, conv_kernel - 1] in the model dtype.
     - `recurrent_state`: [n_gdn_layers, batch_size + 1, HV, K, V], float32. Slot `scratch_slot`
       (= batch_size) belongs to no row: a static-batch backend decodes its padding rows there.
+    - With `num_speculative_tokens` k > 0 (MTP speculative decoding): one more attention entry in the KV
+      tensors, the MTP layer's, and `spec_conv_state` / `spec_recurrent_state` [n_gdn_layers, slots, k + 1,
+      ...]: a verify step's GDN state after each of its k + 1 positions, per slot.
     - `seq_lens[b]`: tokens of row b whose effect the cache holds; `token_ids[b, :seq_lens[b]]` are those
       tokens, so a continuation can be checked against them.
     """
@@ -35,6 +38,7 @@ class Qwen36HybridCache(Cache):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         # The transformers base class keeps per-layer objects; this cache keeps stacked tensors instead.
         super().__init__(layers=[])
@@ -47,7 +51,10 @@ class Qwen36HybridCache(Cache):
         num_blocks = num_blocks or 1 + batch_size * self.max_blocks_per_row
         n_attention = self.layer_types.count(FULL_ATTENTION)
         n_gdn = self.layer_types.count(LINEAR_ATTENTION)
-        kv_shape = (n_attention, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.num_speculative_tokens = num_speculative_tokens
+        mtp_layers = 1 if num_speculative_tokens else 0
+        kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+        kv_shape = (n_attention + mtp_layers, num_blocks, block_size, kv_heads, head_dim)
         self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
@@ -69,6 +76,17 @@ class Qwen36HybridCache(Cache):
             dtype=torch.float32,
             device=device,
         )
+        self.spec_conv_state: torch.Tensor | None = None
+        self.spec_recurrent_state: torch.Tensor | None = None
+        if num_speculative_tokens:
+            positions = num_speculative_tokens + 1
+            conv_shape = (*self.conv_state.shape[:2], positions, *self.conv_state.shape[2:])
+            self.spec_conv_state = torch.zeros(conv_shape, dtype=dtype, device=device)
+            self.spec_recurrent_state = torch.zeros(
+                (*self.recurrent_state.shape[:2], positions, *self.recurrent_state.shape[2:]),
+                dtype=torch.float32,
+                device=device,
+            )
         # Row b owns blocks 1 + b * max_blocks_per_row ...; the null block is never handed out.
         self.block_tables = (1 + torch.arange(batch_size * self.max_blocks_per_row, device=device)).view(
             batch_size, self.max_blocks_per_row
@@ -81,6 +99,12 @@ class Qwen36HybridCache(Cache):
     # -- the four tensors the compiled steps take, in their argument order
     def step_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.key_cache, self.value_cache, self.conv_state, self.recurrent_state
+
+    def spec_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The speculative state tensors a verify step writes (after the four of `step_tensors`)."""
+        if self.spec_conv_state is None or self.spec_recurrent_state is None:
+            raise RuntimeError("this cache was built without speculative state (num_speculative_tokens=0).")
+        return self.spec_conv_state, self.spec_recurrent_state
 
     def cached_tokens(self, row: int) -> torch.Tensor:
         return self.token_ids[row, : int(self.seq_lens[row])]

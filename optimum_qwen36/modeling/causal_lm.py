@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -147,13 +148,16 @@ class NeuronModelForCausalLM:
         prefix_cache_interval: int = 2048,
         quantization: str | None = None,
         fp8_modules: str | None = None,
+        num_speculative_tokens: int = 0,
         revision: str | None = None,
         token: str | None = None,
     ) -> Qwen36NeuronConfig:
         """The export settings for a checkpoint; defaults come from its config (dtype, context length,
         quantization) and the machine (backend: cuda with a GPU, else cpu; "eager" runs the PyTorch code
         uncompiled). An FP8 checkpoint keeps its FP8 weights; `quantization="fp8"` quantizes a bf16 / fp32
-        one at export, `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp"."""
+        one at export, `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp".
+        `num_speculative_tokens` k (1..3) loads the checkpoint's MTP layer: the engine (`create_engine`,
+        `serve`) then drafts k tokens per step and verifies them in one step (MTP speculative decoding)."""
         checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)
         config = load_config(checkpoint_dir)
         text_config = text_config_of(config)
@@ -182,6 +186,7 @@ class NeuronModelForCausalLM:
             prefix_cache_interval=prefix_cache_interval,
             quantization=quantization,
             fp8_modules=fp8_modules,
+            num_speculative_tokens=num_speculative_tokens,
             **({} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}),
             checkpoint_id=str(model_name_or_path),
             checkpoint_revision=revision,
@@ -238,6 +243,7 @@ class NeuronModelForCausalLM:
             is_multimodal_layout(config),
             neuron_config.torch_dtype,
             quantization=quantization,
+            mtp=neuron_config.num_speculative_tokens > 0,
         )
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
@@ -384,6 +390,7 @@ class NeuronModelForCausalLM:
             nc.torch_dtype,
             device=device,
             num_blocks=num_blocks or blocks,
+            num_speculative_tokens=nc.num_speculative_tokens,
         )
 
     def create_engine(
@@ -440,6 +447,13 @@ class NeuronModelForCausalLM:
         `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose `past_key_values` is the
         `Qwen36HybridCache`; passing that cache back with the extended sequences continues without
         recomputing the cached prefix."""
+        if self.neuron_config.num_speculative_tokens:
+            warnings.warn(
+                "generate() decodes one token per step: MTP speculative decoding (num_speculative_tokens="
+                f"{self.neuron_config.num_speculative_tokens}) runs in the engine (create_engine(), "
+                "optimum-qwen36 serve).",
+                stacklevel=2,
+            )
         config, inputs_kwargs = prepare_generation_config(self.generation_config, generation_config, kwargs)
         input_ids = inputs if inputs is not None else inputs_kwargs.get("input_ids")
         if input_ids is None:

@@ -8,6 +8,14 @@ Two entry points, both with static shapes and the cache tensors passed in and up
 - `decode_step`: one token for each of the B rows, each row at its own position and in its own GDN state
   slot, so any subset of the cache's slots decodes together.
 
+With the multi-token-prediction layer (`mtp`, speculative decoding), two more:
+
+- `verify_step`: T tokens for each of B rows (the last sampled token and its drafts); the rows' GDN
+  states are read, never written: the state after each of the T positions goes to the speculative state
+  tensors, and the engine keeps the one at the last accepted position.
+- `mtp_step`: the MTP layer over T positions of B rows (the trunk's normed hidden state at a position and
+  the token after it), writing its own KV entry; returns the draft logits at each row's last position.
+
 Attention KV is paged: `key_cache`/`value_cache` are [n_attention_layers, num_blocks, block_size, n_kv_heads,
 head_dim] and a row's positions map to blocks through its block table. Block 0 is the null block: writes of
 padding positions land there and it is never read as valid. GDN layers keep, per cache slot, a conv state
@@ -44,20 +52,25 @@ class StepInputs:
     Attention: rotary cos / sin [B, T, rot], the flat cache slot each new K/V goes to [B, T], the rows'
     block tables [B, max_blocks] and the mask [B, T, S] of the keys each query sees. GDN: the state slot of
     each row [B]; for a prefill chunk also which of its positions are real (`valid` [1, C]) and how many
-    (`num_valid`), None for a decode step. Then the four cache tensors, updated in place."""
+    (`num_valid`), None for a decode step. Then the four cache tensors, updated in place (an MTP step has
+    no GDN layer: no slots or GDN states). A verify step also has the speculative state tensors
+    [n_gdn_layers, slots, T, ...]: its GDN layers write the state after each position there instead of
+    the slot."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     write_slots: torch.Tensor
     block_tables: torch.Tensor
     attend: torch.Tensor
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     valid: torch.Tensor | None
     num_valid: torch.Tensor | None
     key_cache: torch.Tensor
     value_cache: torch.Tensor
-    conv_state: torch.Tensor
-    recurrent_state: torch.Tensor
+    conv_state: torch.Tensor | None
+    recurrent_state: torch.Tensor | None
+    spec_conv_state: torch.Tensor | None = None
+    spec_recurrent_state: torch.Tensor | None = None
 
 
 class Qwen36RMSNorm(nn.Module):
@@ -221,6 +234,12 @@ class Qwen36GatedDeltaNet(nn.Module):
         rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
         conv_state = step.conv_state[cache_idx, step.slots]
         recurrent_state = step.recurrent_state[cache_idx, step.slots]
+        index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
+        if step.spec_recurrent_state is not None:
+            out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
+            step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
+            step.spec_recurrent_state.index_put_(index, recurrent_states)
+            return out
         if step.valid is None:
             out, new_conv, new_recurrent = self.decode(hidden, conv_state, recurrent_state)
         else:
@@ -228,7 +247,6 @@ class Qwen36GatedDeltaNet(nn.Module):
                 hidden, step.valid, step.num_valid, conv_state, recurrent_state
             )
         # One index_put_ on each whole state tensor: compiled backends update it in place only in this form.
-        index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
         step.conv_state.index_put_(index, new_conv.to(step.conv_state.dtype))
         step.recurrent_state.index_put_(index, new_recurrent)
         return out
@@ -277,6 +295,30 @@ class Qwen36GatedDeltaNet(nn.Module):
         )  # fmt: skip
         return self._output(core, z), new_conv_state, new_recurrent_state
 
+    def verify(
+        self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, T, hidden]: T tokens per row, each advanced exactly as a decode step would. Returns the
+        output and the conv and recurrent states after each position, [B, T, ...] (positions past a row's
+        real tokens hold states nobody keeps)."""
+        mixed, z, beta, g = self._project(hidden)
+        weight = self.conv1d.weight.squeeze(1)
+        cores, conv_states, recurrent_states = [], [], []
+        for t in range(hidden.shape[1]):
+            mixed_t, conv_state = causal_conv1d_update(
+                mixed[..., t : t + 1], conv_state, weight, activation="silu"
+            )
+            query, key, value = self._split_heads(mixed_t.transpose(1, 2))
+            core, recurrent_state = fused_recurrent_gated_delta_rule(
+                query, key, value, g[:, t : t + 1], beta[:, t : t + 1],
+                initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            cores.append(core)
+            conv_states.append(conv_state)
+            recurrent_states.append(recurrent_state)
+        core = torch.cat(cores, dim=1)
+        return self._output(core, z), torch.stack(conv_states, 1), torch.stack(recurrent_states, 1)
+
 
 class Qwen36DecoderLayer(nn.Module):
     """A token mixer (GDN or gated attention) and the MLP, each with its pre-norm and residual.
@@ -317,16 +359,45 @@ class Qwen36TextModel(nn.Module):
         self.norm = Qwen36RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class Qwen36ForCausalLM(nn.Module):
-    """The static-shape model. Parameter names are those of transformers' `Qwen3_5ForCausalLM`."""
+class Qwen36MultiTokenPredictor(nn.Module):
+    """Qwen3.5/3.6's multi-token-prediction layer (checkpoint keys `mtp.*`; transformers drops them).
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    At position i it reads the trunk's normed hidden state h_i and the embedding of the token after it,
+    x_{i+1}: `fc(cat(pre_fc_norm_embedding(embed(x_{i+1})), pre_fc_norm_hidden(h_i)))`, one full-attention
+    decoder layer with its own KV cache entry, then `norm`; the shared `lm_head` gives the logits of x_{i+2}.
+    Its normed output stands in for h at the next position when it drafts further."""
+
+    def __init__(self, config: PretrainedConfig, cache_idx: int) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = Qwen36RMSNorm(size, eps=eps)
+        self.pre_fc_norm_hidden = Qwen36RMSNorm(size, eps=eps)
+        self.fc = nn.Linear(2 * size, size, bias=False)
+        self.layers = nn.ModuleList([Qwen36DecoderLayer(config, FULL_ATTENTION, cache_idx)])
+        self.norm = Qwen36RMSNorm(size, eps=eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        mixed = torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)
+        out = self.fc(mixed)
+        for layer in self.layers:
+            out = layer(out, step)
+        return self.norm(out)
+
+
+class Qwen36ForCausalLM(nn.Module):
+    """The static-shape model. Parameter names are those of transformers' `Qwen3_5ForCausalLM`, and
+    `mtp.*` those of the checkpoints' multi-token-prediction layer (built with `mtp=True`)."""
+
+    def __init__(self, config: PretrainedConfig, mtp: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = Qwen36TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Its KV is one more attention entry of the cache, after the trunk's attention layers.
+        n_attention = list(config.layer_types).count(FULL_ATTENTION)
+        self.mtp = Qwen36MultiTokenPredictor(config, n_attention) if mtp else None
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
 
     @staticmethod
@@ -347,6 +418,31 @@ class Qwen36ForCausalLM(nn.Module):
         blocks = torch.gather(block_tables, 1, positions // block_size)
         return blocks * block_size + positions % block_size
 
+    def _write_slots(
+        self, positions: torch.Tensor, valid: torch.Tensor, block_tables: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Cache slot of each new K/V [B, T]; positions that are not `valid` write into the null block
+        (spread over its slots) instead of the row's blocks."""
+        offsets = torch.arange(positions.shape[1], device=positions.device)
+        null_slots = NULL_BLOCK * block_size + offsets.unsqueeze(0) % block_size
+        max_pos = block_tables.shape[1] * block_size - 1
+        return torch.where(
+            valid, self._slots(positions.clamp(max=max_pos), block_tables, block_size), null_slots
+        )
+
+    @staticmethod
+    def _attend(positions: torch.Tensor, width: int) -> torch.Tensor:
+        """Which of the `width` key positions each query [B, T] sees: causal, [B, T, width]."""
+        key_positions = torch.arange(width, device=positions.device)
+        return key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+    def _row_positions(
+        self, start: torch.Tensor, num_valid: torch.Tensor, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions start[b] + t [B, T] of T tokens per row, and which are real (t < num_valid[b])."""
+        offsets = torch.arange(tokens, device=start.device)
+        return start.unsqueeze(1) + offsets, offsets < num_valid.unsqueeze(1)
+
     def prefill_inputs(
         self,
         input_ids: torch.Tensor,
@@ -360,20 +456,11 @@ class Qwen36ForCausalLM(nn.Module):
         recurrent_state: torch.Tensor,
     ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read."""
-        chunk = input_ids.shape[1]
         block_size = key_cache.shape[2]
-        offsets = torch.arange(chunk, device=input_ids.device)
-        positions = (start_pos + offsets).unsqueeze(0)
-        valid = (offsets < num_valid).unsqueeze(0)
+        positions, valid = self._row_positions(start_pos.reshape(1), num_valid.reshape(1), input_ids.shape[1])
         block_tables = block_table.unsqueeze(0)
-        # Padding positions write into the null block (spread over its slots) instead of the row's blocks.
-        null_slots = NULL_BLOCK * block_size + offsets.unsqueeze(0) % block_size
-        max_pos = block_tables.shape[1] * block_size - 1
-        write_slots = torch.where(
-            valid, self._slots(positions.clamp(max=max_pos), block_tables, block_size), null_slots
-        )
-        key_positions = torch.arange(max_pos + 1, device=input_ids.device)
-        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+        write_slots = self._write_slots(positions, valid, block_tables, block_size)
+        attend = self._attend(positions, block_tables.shape[1] * block_size)
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
@@ -398,8 +485,7 @@ class Qwen36ForCausalLM(nn.Module):
         block_size = key_cache.shape[2]
         positions = positions.unsqueeze(1)
         write_slots = self._slots(positions, block_tables, block_size)
-        key_positions = torch.arange(block_tables.shape[1] * block_size, device=input_ids.device)
-        attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
+        attend = self._attend(positions, block_tables.shape[1] * block_size)
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
@@ -473,3 +559,106 @@ class Qwen36ForCausalLM(nn.Module):
             input_ids, positions, slots, block_tables, key_cache, value_cache, conv_state, recurrent_state
         )
         return self.decode_logits(self.decoder(hidden, step))
+
+    # ------------------------------------------------------------------ speculative decoding (mtp=True)
+    def prefill_chunk_hidden(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        slot: torch.Tensor,
+        block_table: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill_chunk`, also returning the normed hidden state of every position [1, C, hidden] (what
+        the MTP layer reads)."""
+        hidden, step = self.prefill_inputs(
+            input_ids, start_pos, num_valid, slot, block_table, key_cache, value_cache, conv_state,
+            recurrent_state,
+        )  # fmt: skip
+        normed = self.model.norm(self.decoder(hidden, step))
+        return self.lm_head(self.last_valid(normed, num_valid)).float().squeeze(1), normed
+
+    def verify_inputs(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        spec_conv_state: torch.Tensor,
+        spec_recurrent_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The embedded tokens [B, T, hidden] of a verify step and what its layers read."""
+        block_size = key_cache.shape[2]
+        positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        step = StepInputs(
+            cos, sin, self._write_slots(positions, valid, block_tables, block_size), block_tables,
+            self._attend(positions, block_tables.shape[1] * block_size), slots, None, None,
+            key_cache, value_cache, conv_state, recurrent_state, spec_conv_state, spec_recurrent_state,
+        )  # fmt: skip
+        return hidden, step
+
+    def verify_step(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        spec_conv_state: torch.Tensor,
+        spec_recurrent_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T tokens for each of B rows at positions start_pos[b].., the first num_valid[b] of them real:
+        input_ids [B, T]; start_pos, num_valid, slots [B] (int64); block_tables [B, max_blocks]. The rows'
+        K/V are written at those positions (padding: the null block); their GDN states are only read, and
+        the state after each position t goes to spec_*_state[:, slots[b], t]. Returns float32 logits
+        [B, T, vocab] and the normed hidden states [B, T, hidden]."""
+        hidden, step = self.verify_inputs(
+            input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
+            recurrent_state, spec_conv_state, spec_recurrent_state,
+        )  # fmt: skip
+        normed = self.model.norm(self.decoder(hidden, step))
+        return self.lm_head(normed).float(), normed
+
+    def mtp_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer at T positions per row: input_ids [B, T] are the tokens after those positions,
+        hidden [B, T, hidden] the (normed) hidden states at them; start_pos, num_valid [B]. Writes the MTP
+        layer's K/V entry. Returns the float32 draft logits [B, vocab] and the MTP output [B, 1, hidden] at
+        each row's last real position."""
+        if self.mtp is None:
+            raise RuntimeError("this model was built without its MTP layer (Qwen36ForCausalLM(mtp=True)).")
+        block_size = key_cache.shape[2]
+        positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
+        embeds = self.model.embed_tokens(input_ids)
+        cos, sin = self._rotary(positions, embeds.dtype)
+        step = StepInputs(
+            cos, sin, self._write_slots(positions, valid, block_tables, block_size), block_tables,
+            self._attend(positions, block_tables.shape[1] * block_size), None, None, None,
+            key_cache, value_cache, None, None,
+        )  # fmt: skip
+        out = self.mtp(embeds, hidden.to(embeds.dtype), step)
+        last = out[torch.arange(out.shape[0], device=out.device), num_valid - 1].unsqueeze(1)
+        return self.lm_head(last).float().squeeze(1), last

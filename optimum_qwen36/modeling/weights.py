@@ -28,8 +28,10 @@ from .qwen36 import Qwen36ForCausalLM
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
-# Keys of Qwen3_5ForConditionalGeneration checkpoints that the language model does not use.
-IGNORED_PREFIXES = ("model.visual.", "mtp.")
+# Keys of Qwen3_5ForConditionalGeneration checkpoints that the language model does not use, and those of
+# the multi-token-prediction layer (used only for speculative decoding).
+VISION_PREFIX = "model.visual."
+MTP_PREFIX = "mtp."
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*"]
 
 logger = logging.getLogger(__name__)
@@ -95,9 +97,10 @@ def count_checkpoint_tensors(checkpoint_dir: str) -> int:
     return total
 
 
-def model_key(checkpoint_key: str, multimodal: bool) -> str | None:
-    """The static model's parameter name for a checkpoint key, or None for keys the LM does not use."""
-    if checkpoint_key.startswith(IGNORED_PREFIXES):
+def model_key(checkpoint_key: str, multimodal: bool, mtp: bool = False) -> str | None:
+    """The static model's parameter name for a checkpoint key, or None for keys the LM does not use
+    (`mtp`: whether the model has its MTP layer)."""
+    if checkpoint_key.startswith(VISION_PREFIX) or (checkpoint_key.startswith(MTP_PREFIX) and not mtp):
         return None
     if multimodal:
         if checkpoint_key.startswith(MULTIMODAL_LM_PREFIX):
@@ -115,14 +118,16 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quantization: Fp8Quantization | None = None,
+    mtp: bool = False,
 ) -> Qwen36ForCausalLM:
     """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype;
-    the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here).
+    the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here). `mtp`: also
+    the multi-token-prediction layer (`mtp.*`), which the checkpoint must hold.
 
     Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
     start = time.perf_counter()
     with torch.device("meta"):
-        model = Qwen36ForCausalLM(config)
+        model = Qwen36ForCausalLM(config, mtp=mtp)
     if quantization is not None:
         replace_with_fp8_linears(model, quantization)
     fp8_weights = {f"{module}.weight" for module in (quantization.modules if quantization else ())}
@@ -137,7 +142,7 @@ def build_model(
         disable=None,
     )
     for key, tensor in progress:
-        name = model_key(key, multimodal)
+        name = model_key(key, multimodal, mtp)
         if name is None:
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -170,6 +175,17 @@ def build_model(
             f"Checkpoint {checkpoint_dir} has FP8 weights without their scales: {_head(missing_scales)}. "
             "Every float8 `X.weight` needs `X.weight_scale_inv` (without it the weights are wrong by the "
             "scale factor); re-download or re-quantize the checkpoint."
+        )
+    if (
+        mtp
+        and all(name.startswith(MTP_PREFIX) for name in missing)
+        and missing == sorted(n for n in expected if n.startswith(MTP_PREFIX))
+    ):
+        raise CheckpointError(
+            f"Checkpoint {checkpoint_dir} has no multi-token-prediction weights (`mtp.*`), which "
+            "num_speculative_tokens needs (Qwen's Qwen3.5 / Qwen3.6 releases carry them; transformers' "
+            "save_pretrained drops them). Export without num_speculative_tokens, or use the original "
+            "checkpoint."
         )
     if missing or unexpected:
         raise CheckpointError(

@@ -42,6 +42,18 @@ class ServerMetrics:
         self.prefix_queried_tokens = gauge(
             "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
         )
+        self.spec_draft_tokens = Gauge(
+            PREFIX + "spec_decode_num_draft_tokens",
+            "MTP draft tokens verified since start, by draft position (0 = first).",
+            [*labels, "position"],
+            registry=self.registry,
+        )
+        self.spec_accepted_tokens = Gauge(
+            PREFIX + "spec_decode_num_accepted_tokens",
+            "MTP draft tokens accepted since start, by draft position (0 = first).",
+            [*labels, "position"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
@@ -80,4 +92,11 @@ class ServerMetrics:
         self.preemptions.labels(model).set(stats["preemptions"])
         self.prefix_hit_tokens.labels(model).set(stats["prefix_cache"]["hit_tokens"])
         self.prefix_queried_tokens.labels(model).set(stats["prefix_cache"]["prompt_tokens"])
+        speculative = stats.get("speculative")
+        if speculative is not None:
+            for position, (drafted, accepted) in enumerate(
+                zip(speculative["drafted_per_position"], speculative["accepted_per_position"], strict=True)
+            ):
+                self.spec_draft_tokens.labels(model, str(position)).set(drafted)
+                self.spec_accepted_tokens.labels(model, str(position)).set(accepted)
         return generate_latest(self.registry)

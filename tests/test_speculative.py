@@ -1,0 +1,353 @@
+"""MTP speculative decoding: exact by construction.
+
+- The verify step's GDN state after each of its positions equals the state one-token decode steps reach.
+- Greedy: the engine with k = 1, 2, 3 drafts gives the tokens (and log-probabilities) of the engine without
+  speculation, in continuous batches whose rows accept different numbers of drafts, with stop tokens,
+  max_tokens and grammar-constrained rows, with prefix caching (warm == cold, a multi-turn reuse of a
+  speculative answer) and under forced preemption.
+- Sampling: the kept tokens are distributed as one-token-at-a-time sampling (the acceptance rule alone,
+  and the whole engine on a small-vocabulary model with its real MTP layer).
+
+Random MTP weights accept almost nothing, so the greedy tests replace the MTP layer's proposals by an
+oracle's: the plain run's own next tokens, each corrupted with probability 0.35 (the MTP layer still runs,
+so its KV and hidden states are exercised). fp32, eager backend, tiny models.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
+from helpers import export_eager
+
+from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine.sampling import SamplingRow, filter_logits, request_generator, verify_drafts
+from optimum_qwen36.engine.speculative import MTPDrafter
+from optimum_qwen36.modeling.weights import CheckpointError
+
+SETTINGS = dict(batch_size=4, sequence_length=1024, prefill_chunk_size=64)
+VOCAB = 512
+MISS_RATE = 0.35
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    directory, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", "causal", seed=9)
+    add_random_mtp_weights(directory, tiny_text_config(), seed=3)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    return export_eager(checkpoint, prefix_caching=True, **SETTINGS)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class EvenTokens:
+    """A grammar stand-in: only even token ids (speculation must not draft for such a request)."""
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        return torch.arange(vocab_size) % 2 == 0
+
+    def accept(self, token_id: int) -> None:
+        assert token_id % 2 == 0
+
+
+def run_engine(model, requests: list[tuple[list[int], dict[str, Any]]], **engine_kwargs: Any):
+    """Submit all requests, step until done; returns ([request objects], engine)."""
+    engine = model.create_engine(**engine_kwargs)
+    ids = []
+    for prompt, settings in requests:
+        settings = dict(settings)
+        constraint = settings.pop("constraint", None)
+        params = SamplingParams(**{"temperature": 0, "logprobs": 3, **settings})
+        ids.append(engine.add_request(prompt, params, constraint=constraint))
+    done = engine.run()
+    return [done[i] for i in ids], engine
+
+
+@pytest.fixture
+def oracle_drafts(monkeypatch: pytest.MonkeyPatch):
+    """Replace the MTP layer's drafts by the reference run's tokens, some corrupted; returns the dict of
+    reference outputs by prompt to fill in."""
+    references: dict[tuple[int, ...], list[int]] = {}
+
+    def proposal(request, index: int) -> int:
+        reference = references[tuple(request.prompt_ids)]
+        rng = random.Random(f"{len(request.prompt_ids)}-{request.prompt_ids[:4]}-{index}")
+        if index < len(reference) and rng.random() >= MISS_RATE:
+            return reference[index]
+        return (reference[index] + 1 if index < len(reference) else 1) % VOCAB
+
+    def rewrite(request) -> None:
+        done = len(request.output_ids)
+        request.draft_ids = [proposal(request, done + j) for j in range(len(request.draft_ids))]
+
+    real_catch_up, real_extend = MTPDrafter.catch_up, MTPDrafter.extend
+
+    def catch_up(self, rows) -> None:
+        real_catch_up(self, rows)
+        for row in rows:
+            rewrite(row.request)
+
+    def extend(self, requests, num_drafts) -> None:
+        real_extend(self, requests, num_drafts)
+        for request in requests:
+            rewrite(request)
+
+    monkeypatch.setattr(MTPDrafter, "catch_up", catch_up)
+    monkeypatch.setattr(MTPDrafter, "extend", extend)
+    return references
+
+
+def assert_same_outputs(ours, reference) -> None:
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert mine.output_ids == theirs.output_ids, (mine.request_id, mine.output_ids, theirs.output_ids)
+        assert mine.finish_reason == theirs.finish_reason
+        torch.testing.assert_close(
+            torch.tensor(mine.output_logprobs), torch.tensor(theirs.output_logprobs), atol=1e-4, rtol=0
+        )
+
+
+def mixed_requests() -> list[tuple[list[int], dict[str, Any]]]:
+    return [
+        (tokens(1, 1), dict(max_tokens=40, ignore_eos=True)),
+        (tokens(5, 2), dict(max_tokens=23, ignore_eos=True)),
+        (tokens(64, 3), dict(max_tokens=31, ignore_eos=True)),
+        (tokens(100, 4), dict(max_tokens=17, ignore_eos=True)),
+        (tokens(200, 5), dict(max_tokens=40, ignore_eos=True, constraint=EvenTokens())),
+        (tokens(300, 6), dict(max_tokens=29, ignore_eos=True, min_tokens=3)),
+        (tokens(33, 7), dict(max_tokens=35, ignore_eos=True)),
+    ]
+
+
+def with_stop_token(requests, plain_outputs, index: int, position: int):
+    """Request `index` again, stopping on the token its plain run produced at `position`."""
+    prompt, settings = requests[index]
+    stop = plain_outputs[index].output_ids[position]
+    return [*requests, (prompt, {**settings, "stop_token_ids": (stop,), "max_tokens": 40})]
+
+
+def test_verify_step_states_equal_one_token_decode_steps(checkpoint) -> None:
+    """The verify step leaves the slot's state alone and writes, for each position t, the state t + 1 decode
+    steps reach (conv and recurrent state within float32 rounding; the logits of the same tokens)."""
+    model = export_eager(checkpoint, num_speculative_tokens=3, **SETTINGS)
+    cache = model.new_cache()
+    runner_args = dict(block_tables=cache.block_tables[:2], slots=torch.tensor([0, 1]))
+    backend = model.backend
+    prompt = [tokens(70, 11), tokens(9, 12)]
+    for row, ids in enumerate(prompt):
+        for start in range(0, len(ids), 64):
+            chunk = torch.zeros((1, 64), dtype=torch.long)
+            part = ids[start : start + 64]
+            chunk[0, : len(part)] = torch.tensor(part)
+            backend.prefill_chunk(
+                chunk, torch.tensor(start), torch.tensor(len(part)), torch.tensor(row),
+                cache.block_tables[row], *cache.step_tensors(),
+            )  # fmt: skip
+    fed = torch.tensor([tokens(4, 13), tokens(4, 14)])
+    starts = torch.tensor([len(p) for p in prompt])
+    before = [t.clone() for t in cache.step_tensors()[2:]]
+    logits, _ = backend.verify_step(
+        fed, starts, torch.tensor([4, 3]), runner_args["slots"], runner_args["block_tables"],
+        *cache.step_tensors(), *cache.spec_tensors(),
+    )  # fmt: skip
+    for now, then in zip(cache.step_tensors()[2:], before, strict=True):
+        assert torch.equal(now, then)  # the slots' states are untouched
+    spec_conv, spec_recurrent = cache.spec_tensors()
+    for t in range(4):
+        step_logits = backend.decode_step(
+            fed[:, t : t + 1],
+            starts + t,
+            runner_args["slots"],
+            runner_args["block_tables"],
+            *cache.step_tensors(),
+        )
+        for row in range(2):
+            if row == 1 and t == 3:
+                continue  # beyond row 1's 3 real tokens
+            # Not bitwise: the verify step's projections multiply T rows at once (~1e-6 rounding here).
+            torch.testing.assert_close(spec_conv[:, row, t], cache.conv_state[:, row], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                spec_recurrent[:, row, t], cache.recurrent_state[:, row], atol=1e-5, rtol=1e-5
+            )
+            scale = float(step_logits[row].abs().max())
+            assert float((logits[row, t] - step_logits[row]).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_equal_plain_decoding_with_mixed_acceptance(
+    checkpoint, plain, oracle_drafts, k
+) -> None:
+    """7 requests on 4 slots (continuous batching), one constrained by a grammar, one ending on a stop token
+    in the middle of a step's accepted drafts: same tokens, finish reasons and log-probabilities as without
+    speculation, while rows accept 0..k drafts in the same steps."""
+    requests = mixed_requests()
+    reference, _ = run_engine(plain, requests)
+    requests = with_stop_token(requests, reference, 3, 9)
+    reference, _ = run_engine(plain, requests)
+    assert reference[-1].output_ids[-1] == reference[3].output_ids[9]
+    for (prompt, _), out in zip(requests, reference, strict=True):
+        oracle_drafts[tuple(prompt)] = out.output_ids
+    model = export_eager(checkpoint, num_speculative_tokens=k, prefix_caching=True, **SETTINGS)
+    ours, engine = run_engine(model, requests)
+    assert_same_outputs(ours, reference)
+    stats = engine.stats()["speculative"]
+    drafted, accepted = stats["drafted_per_position"], stats["accepted_per_position"]
+    assert len(drafted) == k and all(0 < a < d for a, d in zip(accepted, drafted, strict=True)), stats
+    assert stats["acceptance_rate_per_position"][0] == pytest.approx(accepted[0] / drafted[0])
+
+
+def test_prefix_caching_warm_equals_cold_across_turns(checkpoint, plain, oracle_drafts) -> None:
+    """A second turn whose prompt holds the first turn's speculative answer: warm (reusing the cached
+    prefix, with GDN checkpoints taken inside verify steps) gives the cold and the plain tokens."""
+    model = export_eager(checkpoint, num_speculative_tokens=2, prefix_caching=True, **SETTINGS)
+    first = (tokens(150, 21), dict(max_tokens=70, ignore_eos=True))
+    (plain_first,), _ = run_engine(plain, [first])
+    oracle_drafts[tuple(first[0])] = plain_first.output_ids
+    engine = model.create_engine()
+    (turn1,) = [engine.add_request(first[0], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))]
+    answer = engine.run()[turn1].output_ids
+    assert answer == plain_first.output_ids
+    second_prompt = first[0] + answer + tokens(20, 22)
+    second = (second_prompt, dict(max_tokens=30, ignore_eos=True))
+    (plain_second,), _ = run_engine(plain, [second])
+    oracle_drafts[tuple(second_prompt)] = plain_second.output_ids
+    warm = engine.add_request(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    warm_request = engine.run()[warm]
+    # The first turn's decode-time checkpoints (every 64 tokens) reach into its answer.
+    assert warm_request.cached_prompt_tokens >= 192
+    engine.prefix_cache.clear()
+    cold = engine.add_request(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    cold_request = engine.run()[cold]
+    assert cold_request.cached_prompt_tokens == 0
+    assert warm_request.output_ids == cold_request.output_ids == plain_second.output_ids
+
+
+def test_preemption_resumes_exactly(checkpoint, plain, oracle_drafts) -> None:
+    """A KV pool too small for the batch: requests are preempted mid-decode, their drafts dropped, and
+    resumed from the prefix cache; tokens still equal plain decoding."""
+    requests = [(tokens(180 + 10 * i, 30 + i), dict(max_tokens=60, ignore_eos=True)) for i in range(4)]
+    reference, _ = run_engine(plain, requests)
+    for (prompt, _), out in zip(requests, reference, strict=True):
+        oracle_drafts[tuple(prompt)] = out.output_ids
+    model = export_eager(checkpoint, num_speculative_tokens=3, prefix_caching=True, **SETTINGS)
+    ours, engine = run_engine(model, requests, num_kv_blocks=1 + 12)
+    assert engine.stats()["preemptions"] > 0
+    assert_same_outputs(ours, reference)
+
+
+def chi_square_critical(df: int, z: float = 3.29) -> float:
+    """The chi-square value exceeded with probability ~5e-4 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_acceptance_rule_keeps_the_target_distribution() -> None:
+    """verify_drafts with a likely and an unlikely draft, with temperature and top-k: the first kept token
+    follows the target's (filtered) distribution at the first position, and after an accepted draft the
+    next token follows the distribution at the next position."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 1.5, -0.5, 0.7, 1.0]])
+    params = SamplingParams(temperature=0.8, top_k=4, max_tokens=8)
+    targets = [filter_logits(logits[i : i + 1], [_row(params, 0)]).softmax(-1)[0] for i in range(2)]
+    draws = 8000
+    for draft in (0, 4):
+        generator = request_generator(draft)
+        first, second = Counter(), Counter()
+        for _ in range(draws):
+            row = SamplingRow(params, [1], [], (), generator)
+            kept = verify_drafts(logits, row, [draft])
+            first[kept[0].token] += 1
+            if kept[0].token == draft:
+                second[kept[1].token] += 1
+        for counts, target in ((first, targets[0]), (second, targets[1])):
+            total = sum(counts.values())
+            support = [t for t in range(5) if target[t] > 0]
+            assert set(counts) <= set(support)
+            if total < 400:
+                continue  # an unlikely draft is rarely accepted: too few second tokens to test
+            statistic = sum((counts[t] - total * target[t]) ** 2 / (total * target[t]) for t in support)
+            assert statistic < chi_square_critical(len(support) - 1), (draft, counts, target)
+
+
+def _row(params: SamplingParams, seed: int) -> SamplingRow:
+    return SamplingRow(params, [1], [], (), request_generator(seed))
+
+
+def test_greedy_acceptance_rule_keeps_the_argmax_prefix() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    params = SamplingParams(temperature=0)
+    assert [v.token for v in verify_drafts(logits, _row(params, 0), [1, 0])] == [1, 0, 2]
+    assert [v.token for v in verify_drafts(logits, _row(params, 0), [1, 2])] == [1, 0]
+    assert [v.token for v in verify_drafts(logits, _row(params, 0), [2, 0])] == [1]
+
+
+@pytest.mark.slow
+def test_engine_sampling_distribution_equals_plain_sampling(tmp_path) -> None:
+    """A 12-token vocabulary with the model's own (random) MTP layer, which accepts some drafts: over 600
+    seeded requests each, the marginal distributions of output tokens 2..4 with k = 2 equal those of plain
+    sampling (two-sample chi-square)."""
+    directory, _ = save_tiny_checkpoint(tmp_path / "small", "causal", seed=4, vocab_size=12)
+    add_random_mtp_weights(directory, tiny_text_config(vocab_size=12), seed=5)
+    settings = dict(batch_size=8, sequence_length=128, prefill_chunk_size=16)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = {}
+    for k in (0, 2):
+        model = export_eager(directory, num_speculative_tokens=k, **settings)
+        engine = model.create_engine()
+        ids = [
+            engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s))
+            for s in range(600)
+        ]
+        done = engine.run()
+        runs[k] = [done[i].output_ids for i in ids]
+        if k:
+            stats = engine.stats()["speculative"]
+            assert 0.05 < stats["acceptance_rate_per_position"][0] < 0.95, stats
+    for position in (1, 2, 3):
+        a = Counter(out[position] for out in runs[0])
+        b = Counter(out[position] for out in runs[2])
+        support = sorted(set(a) | set(b))
+        statistic = sum((a[t] - b[t]) ** 2 / (a[t] + b[t]) for t in support)
+        assert statistic < chi_square_critical(len(support) - 1), (position, a, b)
+
+
+def test_settings_are_checked(checkpoint, tiny_checkpoint) -> None:
+    without_mtp, _ = tiny_checkpoint()
+    with pytest.raises(CheckpointError, match=r"no multi-token-prediction weights \(`mtp\.\*`\)"):
+        export_eager(without_mtp, num_speculative_tokens=1)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in 0\.\.3"):
+        export_eager(checkpoint, num_speculative_tokens=4)
+    with pytest.raises(ValueError, match="does not compile the verify and MTP draft steps"):
+        export_eager(checkpoint, num_speculative_tokens=2, backend="cpu")
+    with pytest.raises(ValueError, match="with quantization='fp8' is not supported"):
+        export_eager(checkpoint, num_speculative_tokens=2, quantization="fp8")
+    # Without speculation the MTP weights are not loaded, and nothing changes.
+    assert export_eager(checkpoint).model.mtp is None
+
+
+def test_metrics_and_generate(checkpoint) -> None:
+    """/metrics reports drafts and acceptances per position; generate() says it does not speculate and
+    decodes the same tokens as a model without the MTP layer."""
+    from optimum_qwen36.server.metrics import ServerMetrics
+
+    model = export_eager(checkpoint, num_speculative_tokens=2, **SETTINGS)
+    (request,), engine = run_engine(model, [(tokens(20, 40), dict(max_tokens=12, ignore_eos=True))])
+    text = ServerMetrics("tiny").render(engine.stats()).decode()
+    drafted = engine.stats()["speculative"]["drafted_per_position"]
+    assert (
+        f'optimum_qwen36:spec_decode_num_draft_tokens{{model_name="tiny",position="1"}} {float(drafted[1])}'
+        in text
+    )
+    assert 'optimum_qwen36:spec_decode_num_accepted_tokens{model_name="tiny",position="0"}' in text
+    prompt = torch.tensor([tokens(20, 40)])
+    with pytest.warns(UserWarning, match="MTP speculative decoding .* runs in the engine"):
+        ours = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert ours[0, 20:].tolist() == request.output_ids
