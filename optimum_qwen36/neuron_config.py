@@ -21,8 +21,8 @@ CHECKPOINT_FP8_MODULES = "checkpoint"
 SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
 # MTP speculative decoding drafts 1..3 tokens per step with the checkpoint's one MTP layer.
 MAX_SPECULATIVE_TOKENS = 3
-# Backends whose verify and draft steps exist (the compiled ones do not compile them yet).
-SPECULATIVE_BACKENDS = ("eager",)
+# Backends with the verify and draft steps (neuron does not compile them yet).
+SPECULATIVE_BACKENDS = ("eager", "cpu", "cuda")
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -120,9 +120,9 @@ class Qwen36NeuronConfig:
             return
         if self.backend not in SPECULATIVE_BACKENDS:
             raise ValueError(
-                f"num_speculative_tokens={k} runs on the {' / '.join(SPECULATIVE_BACKENDS)} backend only "
-                f"in this version: the {self.backend!r} backend does not compile the verify and MTP draft "
-                "steps yet. Export with backend='eager', or without num_speculative_tokens."
+                f"num_speculative_tokens={k} runs on the {' / '.join(SPECULATIVE_BACKENDS)} backends in this "
+                f"version: the {self.backend!r} backend does not compile the verify and MTP draft steps yet. "
+                "Export with another backend, or without num_speculative_tokens."
             )
         if self.quantization is not None:
             raise ValueError(

@@ -326,7 +326,7 @@ def test_settings_are_checked(checkpoint, tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in 0\.\.3"):
         export_eager(checkpoint, num_speculative_tokens=4)
     with pytest.raises(ValueError, match="does not compile the verify and MTP draft steps"):
-        export_eager(checkpoint, num_speculative_tokens=2, backend="cpu")
+        export_eager(checkpoint, num_speculative_tokens=2, backend="neuron")
     with pytest.raises(ValueError, match="with quantization='fp8' is not supported"):
         export_eager(checkpoint, num_speculative_tokens=2, quantization="fp8")
     # Without speculation the MTP weights are not loaded, and nothing changes.
@@ -351,3 +351,31 @@ def test_metrics_and_generate(checkpoint) -> None:
     with pytest.warns(UserWarning, match="MTP speculative decoding .* runs in the engine"):
         ours = model.generate(prompt, max_new_tokens=12, do_sample=False)
     assert ours[0, 20:].tolist() == request.output_ids
+
+
+@pytest.mark.slow
+def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tmp_path) -> None:
+    """The compiled verify and MTP graphs (cpu, batch 2: single rows and single positions are padded for
+    them), saved and reloaded: greedy tokens and log-probabilities of plain decoding, with acceptance."""
+    from optimum_qwen36 import NeuronQwen36ForCausalLM
+
+    requests = mixed_requests()[:4]
+    reference, _ = run_engine(plain, requests)
+    for (prompt, _), out in zip(requests, reference, strict=True):
+        oracle_drafts[tuple(prompt)] = out.output_ids
+    settings = {**SETTINGS, "batch_size": 2}
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", dtype="float32", num_speculative_tokens=2,
+        prefix_caching=True, compile_cache_dir=tmp_path / "cache", **settings,
+    )  # fmt: skip
+    ours, engine = run_engine(model, requests)
+    assert_same_outputs(ours, reference)
+    assert engine.stats()["speculative"]["accepted_per_position"][1] > 0
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    assert {p.name for p in (tmp_path / "saved" / "compiled").glob("*.pt2")} >= {
+        "verify_step.linear_attention.pt2", "verify_step.full_attention.pt2", "verify_step.head.pt2",
+        "mtp_step.mtp.pt2",
+    }  # fmt: skip
+    again, _ = run_engine(reloaded, requests[:2])
+    assert_same_outputs(again, reference[:2])

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..neuron_config import Qwen36NeuronConfig
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.native import load_native_ops
 from .aoti import CompiledGraph
-from .base import EagerBackend, StepBackend, blocks_in_use
+from .base import EagerBackend, StepBackend, blocks_in_use, rows_blocks_in_use
 from .compile_cache import CompileCache, compile_key
 from .matvec import MatrixVectorLinears
 from .regions import compile_step, load_step, step_files
@@ -40,7 +40,9 @@ COMPILED_DIR = "compiled"
 # The steps of the cpu/cuda backend. A one-row decode step has its own graphs: on cpu their linear layers are
 # traced as matrix-vector products (matvec.py), which stream the weights faster than the matrix-matrix
 # kernels decode_step (2..batch rows) keeps.
-STEPS = ("prefill_chunk", "decode_row", "decode_step")
+STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_step", "mtp_step")
+# With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps.
+SPECULATIVE_STEPS = ("verify_step", "mtp_step")
 # Tensors the graphs need that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
 
@@ -50,9 +52,10 @@ CacheFactory = Callable[[str], Qwen36HybridCache]
 
 
 def example_step_args(
-    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache
+    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache, hidden_size: int | None = None
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch)."""
+    """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch; the
+    speculative steps need the model's `hidden_size`)."""
     chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
     device = cache.key_cache.device
 
@@ -75,13 +78,59 @@ def example_step_args(
         *cache.step_tensors(),
     )
     row = (*(a[:1] for a in decode[:4]), *decode[4:])
-    return {"prefill_chunk": prefill, "decode_row": row, "decode_step": decode}
+    examples = {"prefill_chunk": prefill, "decode_row": row, "decode_step": decode}
+    if neuron_config.num_speculative_tokens and hidden_size is not None:
+        examples.update(_speculative_step_args(neuron_config, cache, hidden_size))
+    return examples
+
+
+def _speculative_step_args(
+    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache, hidden_size: int
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """verify_step: every row, k + 1 tokens; mtp_step: at least 2 rows (PADDED_ROW_STEPS), a whole chunk."""
+    device, batch = cache.key_cache.device, neuron_config.batch_size
+    fed = neuron_config.num_speculative_tokens + 1
+    rows = max(2, batch)
+    tables = torch.zeros((rows, cache.max_blocks_per_row), dtype=torch.long, device=device)
+    tables[:batch] = cache.block_tables
+    chunk = neuron_config.prefill_chunk_size
+    verify = (
+        torch.zeros((batch, fed), dtype=torch.long, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device),
+        torch.full((batch,), fed, dtype=torch.long, device=device),
+        torch.arange(batch, device=device),
+        cache.block_tables.clone(),
+        *cache.step_tensors(),
+        *cache.spec_tensors(),
+    )
+    mtp = (
+        torch.zeros((rows, chunk), dtype=torch.long, device=device),
+        torch.zeros((rows, chunk, hidden_size), dtype=cache.key_cache.dtype, device=device),
+        torch.zeros(rows, dtype=torch.long, device=device),
+        torch.full((rows,), chunk, dtype=torch.long, device=device),
+        tables,
+        cache.key_cache,
+        cache.value_cache,
+    )
+    return {"verify_step": verify, "mtp_step": mtp}
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
     """decode_step only when the exported batch has more than one row."""
     one_row = ["prefill_chunk", "decode_row"]
-    return [*one_row, "decode_step"] if neuron_config.batch_size > 1 else one_row
+    steps = [*one_row, "decode_step"] if neuron_config.batch_size > 1 else one_row
+    return [*steps, *SPECULATIVE_STEPS] if neuron_config.num_speculative_tokens else steps
+
+
+def _pad_rows(tensors: Sequence[torch.Tensor], fills: Sequence[int], rows: int) -> list[torch.Tensor]:
+    """Each tensor with rows (dim 0) of its `fill` appended up to `rows` (graphs traced for 2.. rows)."""
+    padded = []
+    for tensor, fill in zip(tensors, fills, strict=True):
+        extra = rows - tensor.shape[0]
+        padded.append(
+            tensor if extra <= 0 else torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), fill)])
+        )
+    return padded
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -116,6 +165,14 @@ class AOTIBackend:
                 "from_pretrained(..., export=True)."
             )
 
+        if model.mtp is not None and not set(SPECULATIVE_STEPS) <= set(present):
+            needed = ", ".join(f for step in SPECULATIVE_STEPS for f in step_files(model, step))
+            raise FileNotFoundError(
+                f"{files_dir} lacks the verify and MTP graphs that num_speculative_tokens needs ({needed}). "
+                "Re-export the model with from_pretrained(..., export=True, num_speculative_tokens=...)."
+            )
+        self.model = model
+
         @functools.cache
         def load(file: str) -> CompiledGraph:  # prefill_chunk and decode_row share a head graph
             prefix = f"{file}/"
@@ -125,16 +182,48 @@ class AOTIBackend:
         self.graphs = {step: load_step(model, step, load, device) for step in present}
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        args = blocks_in_use(method, args)
-        if self.device != "cpu":
-            args = tuple(a.to(self.device, non_blocking=True) for a in args)
-        return self.graphs[method](*args).cpu()
+        return self.graphs[method](*self._on_device(blocks_in_use(method, args))).cpu()
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("decode_row" if args[0].shape[0] == 1 else "decode_step", args)
+
+    @torch.no_grad()
+    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.graphs["prefill_chunk"]
+        hidden, inputs = step.decoder_output(*self._on_device(blocks_in_use("prefill_chunk", args)))
+        logits = step.head(self.model.last_valid(hidden, inputs.num_valid))
+        return logits.cpu(), self.model.model.norm(hidden).cpu()
+
+    def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, *states = args
+        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
+        conv_state = states[0]
+        scratch_slot, batch = conv_state.shape[1] - 1, conv_state.shape[1] - 1
+        # Traced with the whole batch, 2.. rows when it has several: a single row gets a padding row, in the
+        # scratch slot with the null block.
+        rows = 2 if batch > 1 else 1
+        fills = (0, 0, 1, scratch_slot, 0)
+        padded = _pad_rows((input_ids, start_pos, num_valid, slots, tables), fills, rows)
+        out = self.graphs["verify_step"](*self._on_device((*padded, key_cache, value_cache, *states)))
+        return tuple(o[: len(input_ids)].cpu() for o in out)
+
+    def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = args
+        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
+        if input_ids.shape[1] == 1:  # the graph takes 2..chunk positions: one more, never real
+            input_ids = torch.nn.functional.pad(input_ids, (0, 1))
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 1))
+        padded = _pad_rows((input_ids, hidden, start_pos, num_valid, tables), (0, 0, 0, 1, 0), 2)
+        out = self.graphs["mtp_step"](*self._on_device((*padded, key_cache, value_cache)))
+        return tuple(o[: len(input_ids)].cpu() for o in out)
+
+    def _on_device(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.device == "cpu":
+            return tuple(args)
+        return tuple(a.to(self.device, non_blocking=True) for a in args)
 
     def save(self, directory: Path) -> None:
         target = directory / COMPILED_DIR
@@ -168,7 +257,7 @@ class AOTIBackend:
             )
             staging = Path(tempfile.mkdtemp(prefix="optimum-qwen36-compile-"))
             try:
-                examples = example_step_args(neuron_config, make_cache(device))
+                examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 _compile_graphs(model, graphs, staging, matrix_vector_rows=backend == "cpu")
                 if cache is not None:

@@ -12,6 +12,12 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 - the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
   last valid token (`model.last_valid`, eager), so prefill runs decode_row's head graph.
 
+With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
+state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
+`mtp_step` is one graph: the MTP layer and the lm_head at each row's last position (`model.mtp_output`),
+after its eager inputs (`model.mtp_inputs`). `verify_step` and `mtp_step` take 2..batch rows (and
+`mtp_step` 2..chunk positions): callers pad a single row (or position).
+
 Layers are of one kind when their type, modules and tensor shapes / dtypes agree (an FP8 checkpoint that
 keeps some layer's MLP unquantized gives that layer a kind of its own).
 """
@@ -37,11 +43,30 @@ LAYER_FIELDS = {
     "linear_attention": ("slots", "valid", "num_valid", "conv_state", "recurrent_state"),
 }
 PREFILL_ONLY_FIELDS = ("valid", "num_valid")
+VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# Whose head graph each step runs (prefill's one-row logits run decode_row's).
-HEAD_OF = {"prefill_chunk": "decode_row", "decode_row": "decode_row", "decode_step": "decode_step"}
-INPUTS_OF = {"prefill_chunk": "prefill_inputs", "decode_row": "decode_inputs", "decode_step": "decode_inputs"}
+# Whose head graph each step runs (prefill's one-row logits run decode_row's), and what it computes.
+HEAD_OF = {
+    "prefill_chunk": "decode_row",
+    "decode_row": "decode_row",
+    "decode_step": "decode_step",
+    "verify_step": "verify_step",
+}
+HEAD_FUNCTION_OF = {
+    "decode_row": "decode_logits",
+    "decode_step": "decode_logits",
+    "verify_step": "verify_logits",
+}
+INPUTS_OF = {
+    "prefill_chunk": "prefill_inputs",
+    "decode_row": "decode_inputs",
+    "decode_step": "decode_inputs",
+    "verify_step": "verify_inputs",
+}
+# Steps whose batch is 2..rows (a single row is padded by the caller); the others take one row, or any.
+PADDED_ROW_STEPS = ("verify_step", "mtp_step")
+MTP_STEP, MTP = "mtp_step", "mtp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +84,21 @@ def layer_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     tensors = dict(layer.named_parameters())
     tensors.update(layer.named_buffers())
     return {name: t.detach() for name, t in tensors.items()}
+
+
+def layer_arguments(
+    layer: Qwen36DecoderLayer, kind: LayerKind, device: torch.device | str
+) -> list[torch.Tensor]:
+    """The trailing arguments of a layer's call to its kind's graph: its cache index, then its tensors."""
+    tensors = layer_tensors(layer)
+    cache_idx = torch.tensor([layer.cache_idx], device=device)
+    return [cache_idx, *(tensors[name] for name in kind.tensor_names)]
+
+
+def model_weights(model: Qwen36ForCausalLM, names: Sequence[str]) -> list[torch.Tensor]:
+    """The model's tensors of these names (tied weights under each of their names)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    return [own[name].detach() for name in names]
 
 
 def layer_kinds(model: Qwen36ForCausalLM) -> list[LayerKind]:
@@ -87,13 +127,18 @@ def region_file(step: str, region: str) -> str:
 
 def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
     """The packages a step runs (prefill_chunk's head is decode_row's)."""
+    if step == MTP_STEP:
+        return [region_file(MTP_STEP, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
     return [*layers, region_file(HEAD_OF[step], HEAD)]
 
 
 def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
     fields = LAYER_FIELDS[layer_type]
-    return fields if step == "prefill_chunk" else tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
+    if step == "prefill_chunk":
+        return fields
+    fields = tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
+    return fields + VERIFY_FIELDS if step == "verify_step" and layer_type == "linear_attention" else fields
 
 
 class _Call(nn.Module):
@@ -142,9 +187,27 @@ def layer_region(model: Qwen36ForCausalLM, kind: LayerKind, step: str) -> nn.Mod
     return _TensorsAsInputs(template, run, kind.tensor_names)
 
 
-def head_region(model: Qwen36ForCausalLM) -> nn.Module:
-    """A module running the head: arguments (hidden [B, 1, hidden], *HEAD_WEIGHTS)."""
-    return _TensorsAsInputs(model, model.decode_logits, HEAD_WEIGHTS)
+def head_region(model: Qwen36ForCausalLM, step: str) -> nn.Module:
+    """A module running the step's head: arguments (hidden [B, T, hidden], *HEAD_WEIGHTS)."""
+    return _TensorsAsInputs(model, getattr(model, HEAD_FUNCTION_OF[step]), HEAD_WEIGHTS)
+
+
+def mtp_tensor_names(model: Qwen36ForCausalLM) -> tuple[str, ...]:
+    """The tensors the MTP graph takes: the MTP layer's and the lm_head's."""
+    return (*(f"mtp.{name}" for name in layer_tensors(model.mtp)), "lm_head.weight")
+
+
+def mtp_region(model: Qwen36ForCausalLM) -> nn.Module:
+    """A module running the MTP layer and lm_head: arguments (embeds, hidden, num_valid, *attention fields,
+    *mtp_tensor_names)."""
+    fields = LAYER_FIELDS["full_attention"]
+
+    def run(embeds: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor, *args: torch.Tensor):
+        given = dict(zip(fields, args, strict=True))
+        step_inputs = StepInputs(**{f.name: given.get(f.name) for f in dataclasses.fields(StepInputs)})
+        return model.mtp_output(embeds, hidden, num_valid, step_inputs)
+
+    return _TensorsAsInputs(model, run, mtp_tensor_names(model))
 
 
 class RegionalStep:
@@ -168,21 +231,46 @@ class RegionalStep:
         # Per layer, in order: its graph, the StepInputs fields it reads, and its trailing arguments.
         self._layers: list[tuple[CompiledGraph, tuple[str, ...], list[torch.Tensor]]] = []
         for index, layer in enumerate(model.model.layers):
-            kind, tensors = kind_of[index], layer_tensors(layer)
-            cache_idx = torch.tensor([layer.cache_idx], device=device)
-            tail = [cache_idx, *(tensors[name] for name in kind.tensor_names)]
+            kind = kind_of[index]
+            tail = layer_arguments(layer, kind, device)
             self._layers.append((layer_graphs[kind.name], layer_fields(kind.layer_type, step), tail))
-        own = dict(model.named_parameters(remove_duplicate=False))
-        self._head_weights = [own[name].detach() for name in HEAD_WEIGHTS]
+        self._head_weights = model_weights(model, HEAD_WEIGHTS)
 
     @torch.no_grad()
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: torch.Tensor) -> Any:
+        hidden, inputs = self.decoder_output(*args)
+        if self._last_valid is not None:
+            hidden = self._last_valid(hidden, inputs.num_valid)
+        return self.head(hidden)
+
+    @torch.no_grad()
+    def decoder_output(self, *args: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
+        """The last layer's output for the step's arguments, and the step's inputs."""
         hidden, inputs = self._inputs(*args)
         for graph, fields, tail in self._layers:
             hidden = graph(hidden, *(getattr(inputs, field) for field in fields), *tail)
-        if self._last_valid is not None:
-            hidden = self._last_valid(hidden, inputs.num_valid)
-        return self.head_graph(hidden, *self._head_weights)
+        return hidden, inputs
+
+    def head(self, hidden: torch.Tensor) -> Any:
+        out = self.head_graph(hidden, *self._head_weights)
+        return tuple(out) if isinstance(out, list) else out
+
+
+class MTPStep:
+    """`model.mtp_step` run as its eager inputs and one graph (the MTP layer and the lm_head)."""
+
+    def __init__(self, model: Qwen36ForCausalLM, graph: CompiledGraph) -> None:
+        self._inputs = model.mtp_inputs
+        self.graph = graph
+        self._tensors = model_weights(model, mtp_tensor_names(model))
+
+    @torch.no_grad()
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model.mtp_step`'s arguments: input_ids, hidden, start_pos, num_valid, block_tables, caches."""
+        input_ids, hidden, start_pos, num_valid, *tables_and_caches = args
+        embeds, inputs = self._inputs(input_ids, start_pos, num_valid, *tables_and_caches)
+        fields = (getattr(inputs, field) for field in LAYER_FIELDS["full_attention"])
+        return tuple(self.graph(embeds, hidden, num_valid, *fields, *self._tensors))
 
 
 def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, Any] | None]:
@@ -195,18 +283,23 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
     max_blocks, block_size = inputs.block_tables.shape[1], inputs.key_cache.shape[2]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    batch = torch.export.Dim("batch", min=2, max=max_rows) if step == "decode_step" and max_rows > 2 else None
-    rows = _dynamic({0: batch})
+    several = step in ("decode_step", *PADDED_ROW_STEPS)
+    batch = torch.export.Dim("batch", min=2, max=max_rows) if several and max_rows > 2 else None
+    # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
+    tokens = torch.export.Dim("tokens", min=2, max=inputs.cos.shape[1]) if step == MTP_STEP else None
+    rows = _dynamic({0: batch, 1: tokens})
     return {
         "hidden": rows,
+        "embeds": rows,
+        "num_valid": _dynamic({0: batch}),
         "cos": rows,
         "sin": rows,
         "write_slots": rows,
         "block_tables": _dynamic({0: batch, 1: width}),
-        "attend": _dynamic({0: batch, 2: None if width is None else width * block_size}),
+        "attend": _dynamic({0: batch, 1: tokens, 2: None if width is None else width * block_size}),
         "key_cache": {1: blocks},
         "value_cache": {1: blocks},
-        "slots": rows,
+        "slots": _dynamic({0: batch}),
     }
 
 
@@ -224,23 +317,52 @@ def compile_step(
 ) -> dict[str, torch.Tensor]:
     """Compile the regions of `step`, traced with its example arguments, to out_dir/<step>.<region>.pt2.
     Returns the tensors the traced code made itself that must be bound at load, as "<file>/<name>"."""
+    if step == MTP_STEP:
+        return _compile_regions(step, [_mtp_region_args(model, step_args)], out_dir, tracing_mode)
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
     dims = _dims(step, inputs, max_rows=step_args[0].shape[0])
     regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
     for kind in layer_kinds(model):
         fields = layer_fields(kind.layer_type, step)
-        layer = model.model.layers[kind.layers[0]]
-        tensors = layer_tensors(layer)
-        cache_idx = torch.tensor([layer.cache_idx], device=hidden.device)
-        step_tensors = tuple(getattr(inputs, field) for field in fields)
-        args = (hidden, *step_tensors, cache_idx, *(tensors[name] for name in kind.tensor_names))
-        shapes = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * (1 + len(tensors))]
+        tail = layer_arguments(model.model.layers[kind.layers[0]], kind, hidden.device)
+        args = (hidden, *(getattr(inputs, field) for field in fields), *tail)
+        shapes = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
         regions.append((kind.name, layer_region(model, kind, step), args, shapes))
     if HEAD_OF[step] == step:
-        own = dict(model.named_parameters(remove_duplicate=False))
-        head_args = (hidden, *(own[name].detach() for name in HEAD_WEIGHTS))
-        regions.append((HEAD, head_region(model), head_args, [dims["hidden"], None, None]))
+        head_args = (hidden, *model_weights(model, HEAD_WEIGHTS))
+        regions.append((HEAD, head_region(model, step), head_args, [dims["hidden"], None, None]))
+    return _compile_regions(step, regions, out_dir, tracing_mode)
+
+
+def _mtp_region_args(
+    model: Qwen36ForCausalLM, step_args: tuple[torch.Tensor, ...]
+) -> tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]:
+    input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = step_args
+    with torch.no_grad():
+        embeds, inputs = model.mtp_inputs(
+            input_ids, start_pos, num_valid, block_tables, key_cache, value_cache
+        )
+    dims = _dims(MTP_STEP, inputs, max_rows=input_ids.shape[0])
+    fields = LAYER_FIELDS["full_attention"]
+    names = mtp_tensor_names(model)
+    args = (embeds, hidden, num_valid, *(getattr(inputs, f) for f in fields), *model_weights(model, names))
+    shapes = [
+        dims["embeds"],
+        dims["hidden"],
+        dims["num_valid"],
+        *(dims.get(f) for f in fields),
+        *[None] * len(names),
+    ]
+    return MTP, mtp_region(model), args, shapes
+
+
+def _compile_regions(
+    step: str,
+    regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]],
+    out_dir: Path,
+    tracing_mode: TorchFunctionMode | None,
+) -> dict[str, torch.Tensor]:
     extra: dict[str, torch.Tensor] = {}
     for region, module, args, shapes in regions:
         file = region_file(step, region)
@@ -253,7 +375,9 @@ def compile_step(
 
 def load_step(
     model: Qwen36ForCausalLM, step: str, load: Callable[[str], CompiledGraph], device: str
-) -> RegionalStep:
+) -> RegionalStep | MTPStep:
     """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
+    if step == MTP_STEP:
+        return MTPStep(model, load(region_file(MTP_STEP, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
     return RegionalStep(model, step, layer_graphs, load(region_file(HEAD_OF[step], HEAD)), device)

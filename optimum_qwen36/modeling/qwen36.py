@@ -631,7 +631,12 @@ class Qwen36ForCausalLM(nn.Module):
             input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
             recurrent_state, spec_conv_state, spec_recurrent_state,
         )  # fmt: skip
-        normed = self.model.norm(self.decoder(hidden, step))
+        return self.verify_logits(self.decoder(hidden, step))
+
+    def verify_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [B, T, vocab] and normed hidden states [B, T, hidden] of every position (hidden:
+        the last layer's output)."""
+        normed = self.model.norm(hidden)
         return self.lm_head(normed).float(), normed
 
     def mtp_step(
@@ -648,6 +653,19 @@ class Qwen36ForCausalLM(nn.Module):
         hidden [B, T, hidden] the (normed) hidden states at them; start_pos, num_valid [B]. Writes the MTP
         layer's K/V entry. Returns the float32 draft logits [B, vocab] and the MTP output [B, 1, hidden] at
         each row's last real position."""
+        embeds, step = self.mtp_inputs(input_ids, start_pos, num_valid, block_tables, key_cache, value_cache)
+        return self.mtp_output(embeds, hidden, num_valid, step)
+
+    def mtp_inputs(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The embedded tokens [B, T, hidden] of an MTP step and what its attention layer reads."""
         if self.mtp is None:
             raise RuntimeError("this model was built without its MTP layer (Qwen36ForCausalLM(mtp=True)).")
         block_size = key_cache.shape[2]
@@ -659,6 +677,13 @@ class Qwen36ForCausalLM(nn.Module):
             self._attend(positions, block_tables.shape[1] * block_size), None, None, None,
             key_cache, value_cache, None, None,
         )  # fmt: skip
+        return embeds, step
+
+    def mtp_output(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, num_valid: torch.Tensor, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over the step's positions; its float32 logits [B, vocab] and output [B, 1, hidden]
+        at each row's last real position."""
         out = self.mtp(embeds, hidden.to(embeds.dtype), step)
         last = out[torch.arange(out.shape[0], device=out.device), num_valid - 1].unsqueeze(1)
         return self.lm_head(last).float().squeeze(1), last
