@@ -79,7 +79,7 @@ class MTPDrafter:
         """Draft each request's tokens 2..num_drafts[id] (its first came from `catch_up`); a request keeps
         only the drafts it will verify."""
         for request in requests:
-            del request.draft_ids[max(1, num_drafts.get(request.request_id, 0)) :]
+            del request.draft_ids[num_drafts.get(request.request_id, 0) :]
         for count in range(2, self.num_speculative_tokens + 1):
             rows = [r for r in requests if num_drafts.get(r.request_id, 0) >= count]
             if not rows:
