@@ -355,8 +355,8 @@ def test_metrics_and_generate(checkpoint) -> None:
 
 @pytest.mark.slow
 def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tmp_path) -> None:
-    """The compiled verify and MTP graphs (cpu, batch 2: single rows and single positions are padded for
-    them), saved and reloaded: greedy tokens and log-probabilities of plain decoding, with acceptance."""
+    """The compiled verify and MTP graphs (cpu, batch 2: the one-row and the batched ones; a single MTP
+    position is padded), saved and reloaded: greedy tokens and log-probabilities of plain decoding."""
     from optimum_qwen36 import NeuronQwen36ForCausalLM
 
     requests = mixed_requests()[:4]
@@ -374,8 +374,9 @@ def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tm
     model.save_pretrained(tmp_path / "saved")
     reloaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
     assert {p.name for p in (tmp_path / "saved" / "compiled").glob("*.pt2")} >= {
+        "verify_row.linear_attention.pt2", "verify_row.full_attention.pt2", "verify_row.head.pt2",
         "verify_step.linear_attention.pt2", "verify_step.full_attention.pt2", "verify_step.head.pt2",
-        "mtp_step.mtp.pt2",
+        "mtp_row.mtp.pt2", "mtp_step.mtp.pt2",
     }  # fmt: skip
     again, _ = run_engine(reloaded, requests[:2])
     assert_same_outputs(again, reference[:2])

@@ -40,9 +40,11 @@ COMPILED_DIR = "compiled"
 # The steps of the cpu/cuda backend. A one-row decode step has its own graphs: on cpu their linear layers are
 # traced as matrix-vector products (matvec.py), which stream the weights faster than the matrix-matrix
 # kernels decode_step (2..batch rows) keeps.
-STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_step", "mtp_step")
-# With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps.
-SPECULATIVE_STEPS = ("verify_step", "mtp_step")
+STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_row", "verify_step", "mtp_row", "mtp_step")
+# With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps, for one
+# row and (with a batch above 1) for 2..batch rows.
+SPECULATIVE_ROW_STEPS = ("verify_row", "mtp_row")
+SPECULATIVE_BATCHED_STEPS = ("verify_step", "mtp_step")
 # Tensors the graphs need that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
 
@@ -87,12 +89,10 @@ def example_step_args(
 def _speculative_step_args(
     neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache, hidden_size: int
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """verify_step: every row, k + 1 tokens; mtp_step: at least 2 rows (PADDED_ROW_STEPS), a whole chunk."""
+    """verify: k + 1 tokens of one row / every row; mtp: a whole chunk of one row / every row."""
     device, batch = cache.key_cache.device, neuron_config.batch_size
     fed = neuron_config.num_speculative_tokens + 1
-    rows = max(2, batch)
-    tables = torch.zeros((rows, cache.max_blocks_per_row), dtype=torch.long, device=device)
-    tables[:batch] = cache.block_tables
+    tables = cache.block_tables.clone()
     chunk = neuron_config.prefill_chunk_size
     verify = (
         torch.zeros((batch, fed), dtype=torch.long, device=device),
@@ -104,33 +104,27 @@ def _speculative_step_args(
         *cache.spec_tensors(),
     )
     mtp = (
-        torch.zeros((rows, chunk), dtype=torch.long, device=device),
-        torch.zeros((rows, chunk, hidden_size), dtype=cache.key_cache.dtype, device=device),
-        torch.zeros(rows, dtype=torch.long, device=device),
-        torch.full((rows,), chunk, dtype=torch.long, device=device),
+        torch.zeros((batch, chunk), dtype=torch.long, device=device),
+        torch.zeros((batch, chunk, hidden_size), dtype=cache.key_cache.dtype, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device),
+        torch.full((batch,), chunk, dtype=torch.long, device=device),
         tables,
         cache.key_cache,
         cache.value_cache,
     )
-    return {"verify_step": verify, "mtp_step": mtp}
+
+    def one_row(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (*(a[:1] for a in args[:5]), *args[5:])  # the first five arguments have a row dimension
+
+    return {"verify_row": one_row(verify), "verify_step": verify, "mtp_row": one_row(mtp), "mtp_step": mtp}
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
     """decode_step only when the exported batch has more than one row."""
-    one_row = ["prefill_chunk", "decode_row"]
-    steps = [*one_row, "decode_step"] if neuron_config.batch_size > 1 else one_row
-    return [*steps, *SPECULATIVE_STEPS] if neuron_config.num_speculative_tokens else steps
-
-
-def _pad_rows(tensors: Sequence[torch.Tensor], fills: Sequence[int], rows: int) -> list[torch.Tensor]:
-    """Each tensor with rows (dim 0) of its `fill` appended up to `rows` (graphs traced for 2.. rows)."""
-    padded = []
-    for tensor, fill in zip(tensors, fills, strict=True):
-        extra = rows - tensor.shape[0]
-        padded.append(
-            tensor if extra <= 0 else torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), fill)])
-        )
-    return padded
+    speculative = neuron_config.num_speculative_tokens > 0
+    one_row = ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
+    batched = ["decode_step", *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
+    return [*one_row, *batched] if neuron_config.batch_size > 1 else one_row
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -165,8 +159,8 @@ class AOTIBackend:
                 "from_pretrained(..., export=True)."
             )
 
-        if model.mtp is not None and not set(SPECULATIVE_STEPS) <= set(present):
-            needed = ", ".join(f for step in SPECULATIVE_STEPS for f in step_files(model, step))
+        if model.mtp is not None and not set(SPECULATIVE_ROW_STEPS) <= set(present):
+            needed = ", ".join(f for step in SPECULATIVE_ROW_STEPS for f in step_files(model, step))
             raise FileNotFoundError(
                 f"{files_dir} lacks the verify and MTP graphs that num_speculative_tokens needs ({needed}). "
                 "Re-export the model with from_pretrained(..., export=True, num_speculative_tokens=...)."
@@ -198,27 +192,23 @@ class AOTIBackend:
         return logits.cpu(), self.model.model.norm(hidden).cpu()
 
     def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, *states = args
+        input_ids, start_pos, num_valid, slots, block_tables, key_cache, *caches = args
         tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
-        conv_state = states[0]
-        scratch_slot, batch = conv_state.shape[1] - 1, conv_state.shape[1] - 1
-        # Traced with the whole batch, 2.. rows when it has several: a single row gets a padding row, in the
-        # scratch slot with the null block.
-        rows = 2 if batch > 1 else 1
-        fills = (0, 0, 1, scratch_slot, 0)
-        padded = _pad_rows((input_ids, start_pos, num_valid, slots, tables), fills, rows)
-        out = self.graphs["verify_step"](*self._on_device((*padded, key_cache, value_cache, *states)))
-        return tuple(o[: len(input_ids)].cpu() for o in out)
+        graph = self.graphs["verify_row" if len(input_ids) == 1 else "verify_step"]
+        out = graph(*self._on_device((input_ids, start_pos, num_valid, slots, tables, key_cache, *caches)))
+        return tuple(o.cpu() for o in out)
 
     def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = args
         tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
-        if input_ids.shape[1] == 1:  # the graph takes 2..chunk positions: one more, never real
+        if input_ids.shape[1] == 1:  # the graphs take 2..chunk positions: one more, never real
             input_ids = torch.nn.functional.pad(input_ids, (0, 1))
             hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 1))
-        padded = _pad_rows((input_ids, hidden, start_pos, num_valid, tables), (0, 0, 0, 1, 0), 2)
-        out = self.graphs["mtp_step"](*self._on_device((*padded, key_cache, value_cache)))
-        return tuple(o[: len(input_ids)].cpu() for o in out)
+        graph = self.graphs["mtp_row" if len(input_ids) == 1 else "mtp_step"]
+        out = graph(
+            *self._on_device((input_ids, hidden, start_pos, num_valid, tables, key_cache, value_cache))
+        )
+        return tuple(o.cpu() for o in out)
 
     def _on_device(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if self.device == "cpu":

@@ -15,8 +15,8 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
 `mtp_step` is one graph: the MTP layer and the lm_head at each row's last position (`model.mtp_output`),
-after its eager inputs (`model.mtp_inputs`). `verify_step` and `mtp_step` take 2..batch rows (and
-`mtp_step` 2..chunk positions): callers pad a single row (or position).
+after its eager inputs (`model.mtp_inputs`), taking 2..chunk positions (a single one is padded). As for
+decode, one row has its own graphs (`verify_row`, `mtp_row`) and 2..batch rows theirs.
 
 Layers are of one kind when their type, modules and tensor shapes / dtypes agree (an FP8 checkpoint that
 keeps some layer's MLP unquantized gives that layer a kind of its own).
@@ -51,22 +51,26 @@ HEAD_OF = {
     "prefill_chunk": "decode_row",
     "decode_row": "decode_row",
     "decode_step": "decode_step",
+    "verify_row": "verify_row",
     "verify_step": "verify_step",
 }
 HEAD_FUNCTION_OF = {
     "decode_row": "decode_logits",
     "decode_step": "decode_logits",
+    "verify_row": "verify_logits",
     "verify_step": "verify_logits",
 }
 INPUTS_OF = {
     "prefill_chunk": "prefill_inputs",
     "decode_row": "decode_inputs",
     "decode_step": "decode_inputs",
+    "verify_row": "verify_inputs",
     "verify_step": "verify_inputs",
 }
-# Steps whose batch is 2..rows (a single row is padded by the caller); the others take one row, or any.
-PADDED_ROW_STEPS = ("verify_step", "mtp_step")
-MTP_STEP, MTP = "mtp_step", "mtp"
+VERIFY_STEPS = ("verify_row", "verify_step")
+MTP_STEPS, MTP = ("mtp_row", "mtp_step"), "mtp"
+# Steps of 2..batch rows (one row runs the *_row step).
+BATCHED_STEPS = ("decode_step", "verify_step", "mtp_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +131,8 @@ def region_file(step: str, region: str) -> str:
 
 def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
     """The packages a step runs (prefill_chunk's head is decode_row's)."""
-    if step == MTP_STEP:
-        return [region_file(MTP_STEP, MTP)]
+    if step in MTP_STEPS:
+        return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
     return [*layers, region_file(HEAD_OF[step], HEAD)]
 
@@ -138,7 +142,7 @@ def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
     if step == "prefill_chunk":
         return fields
     fields = tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
-    return fields + VERIFY_FIELDS if step == "verify_step" and layer_type == "linear_attention" else fields
+    return fields + VERIFY_FIELDS if step in VERIFY_STEPS and layer_type == "linear_attention" else fields
 
 
 class _Call(nn.Module):
@@ -283,10 +287,9 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
     max_blocks, block_size = inputs.block_tables.shape[1], inputs.key_cache.shape[2]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    several = step in ("decode_step", *PADDED_ROW_STEPS)
-    batch = torch.export.Dim("batch", min=2, max=max_rows) if several and max_rows > 2 else None
+    batch = torch.export.Dim("batch", min=2, max=max_rows) if step in BATCHED_STEPS and max_rows > 2 else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
-    tokens = torch.export.Dim("tokens", min=2, max=inputs.cos.shape[1]) if step == MTP_STEP else None
+    tokens = torch.export.Dim("tokens", min=2, max=inputs.cos.shape[1]) if step in MTP_STEPS else None
     rows = _dynamic({0: batch, 1: tokens})
     return {
         "hidden": rows,
@@ -317,8 +320,8 @@ def compile_step(
 ) -> dict[str, torch.Tensor]:
     """Compile the regions of `step`, traced with its example arguments, to out_dir/<step>.<region>.pt2.
     Returns the tensors the traced code made itself that must be bound at load, as "<file>/<name>"."""
-    if step == MTP_STEP:
-        return _compile_regions(step, [_mtp_region_args(model, step_args)], out_dir, tracing_mode)
+    if step in MTP_STEPS:
+        return _compile_regions(step, [_mtp_region_args(model, step, step_args)], out_dir, tracing_mode)
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
     dims = _dims(step, inputs, max_rows=step_args[0].shape[0])
@@ -336,14 +339,14 @@ def compile_step(
 
 
 def _mtp_region_args(
-    model: Qwen36ForCausalLM, step_args: tuple[torch.Tensor, ...]
+    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...]
 ) -> tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]:
     input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = step_args
     with torch.no_grad():
         embeds, inputs = model.mtp_inputs(
             input_ids, start_pos, num_valid, block_tables, key_cache, value_cache
         )
-    dims = _dims(MTP_STEP, inputs, max_rows=input_ids.shape[0])
+    dims = _dims(step, inputs, max_rows=input_ids.shape[0])
     fields = LAYER_FIELDS["full_attention"]
     names = mtp_tensor_names(model)
     args = (embeds, hidden, num_valid, *(getattr(inputs, f) for f in fields), *model_weights(model, names))
@@ -377,7 +380,7 @@ def load_step(
     model: Qwen36ForCausalLM, step: str, load: Callable[[str], CompiledGraph], device: str
 ) -> RegionalStep | MTPStep:
     """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
-    if step == MTP_STEP:
-        return MTPStep(model, load(region_file(MTP_STEP, MTP)))
+    if step in MTP_STEPS:
+        return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
     return RegionalStep(model, step, layer_graphs, load(region_file(HEAD_OF[step], HEAD)), device)
