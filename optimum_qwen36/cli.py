@@ -71,6 +71,13 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         help="MTP speculative decoding: tokens the checkpoint's MTP layer drafts per step, 1..3 (default 0: "
         "off; the engine and serve use it)",
     )
+    parser.add_argument(
+        "--tp-degree",
+        type=int,
+        default=1,
+        help="tensor parallelism: split the model over this many processes (default 1; eager backend; "
+        "started here, or one per torchrun process)",
+    )
     parser.add_argument("--revision", default=None, help="Hub revision of MODEL")
     parser.add_argument(
         "--compile-cache-dir", default=None, help="default: $OPTIMUM_QWEN36_CACHE or ~/.cache"
@@ -95,6 +102,7 @@ def _settings(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         fp8_modules=args.fp8_modules,
         num_speculative_tokens=args.num_speculative_tokens,
+        tp_degree=args.tp_degree,
     )
 
 

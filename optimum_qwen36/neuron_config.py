@@ -23,6 +23,8 @@ SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
 MAX_SPECULATIVE_TOKENS = 3
 # Backends with the verify and draft steps (neuron does not compile them yet).
 SPECULATIVE_BACKENDS = ("eager", "cpu", "cuda")
+# Backends that run a model split over tp_degree processes (torch.distributed, gloo).
+TENSOR_PARALLEL_BACKENDS = ("eager",)
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -103,10 +105,16 @@ class Qwen36NeuronConfig:
                 f"prefill_chunk_size ({self.prefill_chunk_size}) cannot exceed sequence_length "
                 f"({self.sequence_length})."
             )
-        if self.tp_degree != 1:
+        if self.tp_degree > 1 and self.backend not in TENSOR_PARALLEL_BACKENDS:
             raise ValueError(
-                f"tp_degree={self.tp_degree}: tensor parallelism is not implemented yet; every backend runs "
-                "the whole model in one process (tp_degree=1)."
+                f"tp_degree={self.tp_degree} runs on the {' / '.join(TENSOR_PARALLEL_BACKENDS)} backend "
+                f"in this version: the {self.backend!r} backend does not compile sharded graphs yet. "
+                "Export with backend='eager', or with tp_degree=1."
+            )
+        if self.tp_degree > 1 and self.quantization is not None:
+            raise ValueError(
+                f"tp_degree={self.tp_degree} with quantization={self.quantization!r} is not supported yet: "
+                "FP8 weights' 128 x 128 scale blocks are not split over ranks."
             )
 
     def _check_speculative(self) -> None:

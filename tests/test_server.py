@@ -546,3 +546,32 @@ def test_serve_command(checkpoint: Path) -> None:
         process.terminate()
         output = process.communicate(timeout=30)[0].decode()
     assert process.returncode in (0, -15), output
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def test_tensor_parallel_server_answers_as_one_process(checkpoint: Path, client) -> None:
+    """`serve --tp-degree 2`'s engine: the same answers over HTTP, streamed or not, as one process."""
+    settings = dict(batch_size=SLOTS, sequence_length=1024, prefill_chunk_size=64, prefix_caching=True)
+    split = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="eager", tp_degree=2, **settings
+    )
+    running = RunningServer(build_app(lambda: served_model(split), ServerSettings(MODEL, api_key=API_KEY)))
+    running.wait_healthy()
+    try:
+        other = openai.OpenAI(base_url=running.url + "/v1", api_key=API_KEY, max_retries=0)
+        expected = chat(client, GREETING).choices[0].message
+        answer = chat(other, GREETING).choices[0].message
+        assert (answer.reasoning, answer.content) == (expected.reasoning, expected.content)
+        joined, _ = stream_chat(other, GREETING)
+        assert (joined["reasoning"], joined["content"]) == (expected.reasoning, expected.content)
+        calls = [
+            chat(c, WEATHER_QUESTION, tools=[WEATHER_TOOL]).choices[0].message.tool_calls
+            for c in (client, other)
+        ]
+        assert [(t.function.name, t.function.arguments) for t in calls[1]] == [
+            (t.function.name, t.function.arguments) for t in calls[0]
+        ]
+        status, _, body = running.request("GET", "/metrics")
+        assert status == 200 and b"prefix_cache" in body
+    finally:
+        running.stop()

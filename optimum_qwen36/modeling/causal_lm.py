@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +29,8 @@ from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
+from ..parallel.group import TensorParallelGroup, launch
+from ..parallel.replicated import Driver, Replicas, ReplicatedEngine, Worker, serve_driver, tensor_digest
 from ..prefix_caching import PrefixCache, build_prefix_cache
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 from ..tokenizer import has_tokenizer_files
@@ -43,6 +47,7 @@ from .generation import (
 )
 from .quantization import Fp8Quantization
 from .qwen36 import Qwen36ForCausalLM
+from .tensor_parallel import check_tp_degree, parallelize, unshard_tensor
 from .weights import (
     build_model,
     checkpoint_fp8_modules,
@@ -104,6 +109,7 @@ class NeuronModelForCausalLM:
         backend: StepBackend,
         generation_config: GenerationConfig,
         tokenizer_dir: str,
+        tensor_parallel: Replicas | None = None,
     ) -> None:
         self.config = config
         self.neuron_config = neuron_config
@@ -111,11 +117,16 @@ class NeuronModelForCausalLM:
         self.backend = backend
         self.generation_config = generation_config
         self.tokenizer_dir = tokenizer_dir
+        # With tp_degree > 1: this rank's part of the replicated control plane (parallel/replicated.py); the
+        # model is its object 0 on every rank, and `model.config` is this rank's share of `config`.
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.register(self)
         # With prefix caching, one KV cache lives as long as the model: its blocks hold the cached prefixes.
         self.prefix_cache: PrefixCache | None = None
         self._prefix_kv: Qwen36HybridCache | None = None
         if neuron_config.prefix_caching:
-            self._prefix_kv = self.new_cache()
+            self._prefix_kv = self._new_cache()
             self.prefix_cache = build_prefix_cache(self._prefix_kv, neuron_config, config)
 
     # ------------------------------------------------------------------ construction
@@ -173,6 +184,7 @@ class NeuronModelForCausalLM:
             dtype = getattr(text_config, "dtype", None) or "bfloat16"
         if prefill_chunk_size is None:
             prefill_chunk_size = min(256, sequence_length)
+        check_tp_degree(text_config, tp_degree)
         return Qwen36NeuronConfig(
             batch_size=batch_size,
             sequence_length=sequence_length,
@@ -223,11 +235,18 @@ class NeuronModelForCausalLM:
         revision: str | None = None,
         compile_cache: CompileCache | None = None,
         compiled_dir: str | os.PathLike | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> NeuronModelForCausalLM:
         """Build the model for `neuron_config.backend` from a transformers checkpoint (dir or Hub id).
 
         Compiled backends take their graphs from `compile_cache` when it holds them (else compile and
-        store them there), or from `compiled_dir` (a verified artifact's graphs) without compiling."""
+        store them there), or from `compiled_dir` (a verified artifact's graphs) without compiling. With
+        `tp_degree` > 1, this process and tp_degree - 1 workers each build one rank's shard
+        (`tp_group`: the rank this call builds, given by the launcher)."""
+        if neuron_config.tp_degree > 1 and tp_group is None:
+            options = {"token": token, "revision": revision, "compiled_dir": compiled_dir}
+            job = functools.partial(_export_rank, cls, model_id, neuron_config, options)
+            return launch(neuron_config.tp_degree, job, serve_driver)[1]
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
         config, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
         model_cls = cls._resolve_class(config)
@@ -244,17 +263,27 @@ class NeuronModelForCausalLM:
             neuron_config.torch_dtype,
             quantization=quantization,
             mtp=neuron_config.num_speculative_tokens > 0,
+            shard=None if tp_group is None else (tp_group.rank, tp_group.degree),
         )
+        replicas = None
+        if tp_group is not None:
+            parallelize(model, tp_group.rank, tp_group.all_reduce, tp_group.all_gather)
+            replicas = Driver(tp_group) if tp_group.is_driver else Worker(tp_group)
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
         backend = create_backend(
             model,
             neuron_config,
-            lambda device: cls.cache_for(text_config, neuron_config, device),
+            lambda device: cls.cache_for(model.config, neuron_config, device),
             compiled_dir=None if compiled_dir is None else Path(compiled_dir),
             cache=compile_cache,
         )
-        return model_cls(text_config, neuron_config, model, backend, generation_config, tokenizer_dir)
+        face = model_cls(
+            text_config, neuron_config, model, backend, generation_config, tokenizer_dir, replicas
+        )
+        if isinstance(replicas, Driver):  # the workers stop with the model (or at exit)
+            weakref.finalize(face, replicas.close)
+        return face
 
     @classmethod
     def from_pretrained(
@@ -330,8 +359,10 @@ class NeuronModelForCausalLM:
         artifact.write_manifest(save_directory, self.neuron_config.backend, self.neuron_config.tp_degree)
 
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
-        # named_parameters() lists a tied weight once: the checkpoint keeps only the embedding.
-        state = {name: p.detach() for name, p in self.model.named_parameters()}
+        if isinstance(self.tensor_parallel, Driver):
+            state = self.tensor_parallel.call(self, "_full_state_dict")
+        else:
+            state = self._full_state_dict()
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
             save_file({n: state[n].contiguous() for n in names}, os.path.join(directory, filename))
@@ -339,6 +370,18 @@ class NeuronModelForCausalLM:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters (with tensor parallelism: every rank's shards joined)."""
+        # named_parameters() lists a tied weight once: the checkpoint keeps only the embedding.
+        state = {name: p.detach() for name, p in self.model.named_parameters()}
+        if self.tensor_parallel is None:
+            return state
+        group = self.tensor_parallel.group
+        return {
+            name: unshard_tensor(self.config, name, group.all_gather(t), group.degree)
+            for name, t in state.items()
+        }
 
     def _save_tokenizer(self, directory: str | os.PathLike) -> None:
         """The checkpoint's own tokenizer files, or the Qwen3.5/3.6 tokenizer shipped with this package."""
@@ -371,8 +414,17 @@ class NeuronModelForCausalLM:
 
     # ------------------------------------------------------------------ generation
     def new_cache(self) -> Qwen36HybridCache:
+        """A cache for generate() (with tensor parallelism: one on every rank, each of its heads)."""
+        if isinstance(self.tensor_parallel, Driver):
+            return self.tensor_parallel.call(self, "_new_cache")
+        return self._new_cache()
+
+    def _new_cache(self) -> Qwen36HybridCache:
         # Compiled backends keep the cache on their device (cpu, cuda, neuron), where it is updated in place.
-        return self.cache_for(self.config, self.neuron_config, self.backend.device)
+        cache = self.cache_for(self.model.config, self.neuron_config, self.backend.device)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.register(cache)
+        return cache
 
     @staticmethod
     def cache_for(
@@ -406,10 +458,29 @@ class NeuronModelForCausalLM:
         with prefix caching (when the model was exported with `prefix_caching=True`). The engine has its
         own cache, of `num_kv_blocks` blocks (default: as generate()'s). `tokenizer` enables text deltas and
         stop strings. `prefix_caching` overrides the exported setting (the graphs are the same)."""
+        options = {
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "num_kv_blocks": num_kv_blocks,
+            "tokenizer": tokenizer,
+            "prefix_caching": prefix_caching,
+        }
+        if isinstance(self.tensor_parallel, Driver):
+            engine = self.tensor_parallel.call(self, "_create_engine", kwargs=options, register=True)
+            return ReplicatedEngine(engine, self.tensor_parallel)
+        return self._create_engine(**options)
+
+    def _create_engine(
+        self,
+        *,
+        max_num_batched_tokens: int | None,
+        num_kv_blocks: int | None,
+        tokenizer: Any,
+        prefix_caching: bool | None,
+    ) -> Engine:
         settings = self.neuron_config
         if prefix_caching is not None:
             settings = dataclasses.replace(settings, prefix_caching=prefix_caching)
-        cache = self.cache_for(self.config, settings, self.backend.device, num_blocks=num_kv_blocks)
+        cache = self.cache_for(self.model.config, settings, self.backend.device, num_blocks=num_kv_blocks)
         if not settings.prefix_caching:  # the pool still hands out blocks; it caches none
             settings = dataclasses.replace(settings, prefix_cache_bytes=0)
         return Engine(
@@ -446,13 +517,41 @@ class NeuronModelForCausalLM:
         Returns the prompts followed by the new tokens (pad_token_id after a row's EOS), or with
         `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` whose `past_key_values` is the
         `Qwen36HybridCache`; passing that cache back with the extended sequences continues without
-        recomputing the cached prefix."""
+        recomputing the cached prefix.
+
+        With tensor parallelism every rank runs the same call on its shard (the arguments are sent to the
+        workers; `streamer` stays here)."""
+        if isinstance(self.tensor_parallel, Driver):
+            kwargs = {
+                "inputs": inputs,
+                "generation_config": generation_config,
+                "logits_processor": logits_processor,
+                "stopping_criteria": stopping_criteria,
+                **kwargs,
+            }
+            local = {"streamer": streamer}
+            return self.tensor_parallel.call(
+                self, "_generate", kwargs=kwargs, local_kwargs=local, digest=generated_digest
+            )
+        return self._generate(
+            inputs, generation_config, logits_processor, stopping_criteria, streamer, **kwargs
+        )
+
+    def _generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        streamer: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         if self.neuron_config.num_speculative_tokens:
             warnings.warn(
                 "generate() decodes one token per step: MTP speculative decoding (num_speculative_tokens="
                 f"{self.neuron_config.num_speculative_tokens}) runs in the engine (create_engine(), "
                 "optimum-qwen36 serve).",
-                stacklevel=2,
+                stacklevel=3,
             )
         config, inputs_kwargs = prepare_generation_config(self.generation_config, generation_config, kwargs)
         input_ids = inputs if inputs is not None else inputs_kwargs.get("input_ids")
@@ -605,7 +704,7 @@ class NeuronModelForCausalLM:
                 )
             return self._prefix_kv
         if cache is None:
-            return self.new_cache()
+            return self._new_cache()
         if not isinstance(cache, Qwen36HybridCache):
             raise ValueError(
                 f"past_key_values must be the Qwen36HybridCache returned by this model's generate(), "
@@ -657,6 +756,22 @@ class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):
     """Qwen3.6 / Qwen3.5 hybrid models (transformers model_type `qwen3_5`, both checkpoint layouts)."""
 
     model_types = ("qwen3_5", "qwen3_5_text")
+
+
+def _export_rank(
+    cls: type[NeuronModelForCausalLM],
+    model_id: str | os.PathLike,
+    neuron_config: Qwen36NeuronConfig,
+    options: dict[str, Any],
+    group: TensorParallelGroup,
+) -> NeuronModelForCausalLM:
+    """One rank's model of a tensor-parallel export (run in every process of the group)."""
+    return cls.export(model_id, neuron_config, tp_group=group, **options)
+
+
+def generated_digest(output: torch.Tensor | GenerateDecoderOnlyOutput) -> str:
+    """The tokens a generate() call produced: every rank must produce the same."""
+    return tensor_digest(output if isinstance(output, torch.Tensor) else output.sequences)
 
 
 def _warn_if_bf16_is_slow_here(neuron_config: Qwen36NeuronConfig) -> None:

@@ -25,6 +25,7 @@ from .quantization import (
     replace_with_fp8_linears,
 )
 from .qwen36 import Qwen36ForCausalLM
+from .tensor_parallel import shard_config, shard_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -119,15 +120,18 @@ def build_model(
     device: torch.device | str = "cpu",
     quantization: Fp8Quantization | None = None,
     mtp: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> Qwen36ForCausalLM:
     """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype;
     the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here). `mtp`: also
-    the multi-token-prediction layer (`mtp.*`), which the checkpoint must hold.
+    the multi-token-prediction layer (`mtp.*`), which the checkpoint must hold. `shard` (rank, degree):
+    that tensor-parallel rank's model, holding its slice of each tensor (modeling/tensor_parallel.py).
 
     Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
     start = time.perf_counter()
+    rank, degree = shard or (0, 1)
     with torch.device("meta"):
-        model = Qwen36ForCausalLM(config, mtp=mtp)
+        model = Qwen36ForCausalLM(shard_config(config, degree), mtp=mtp)
     if quantization is not None:
         replace_with_fp8_linears(model, quantization)
     fp8_weights = {f"{module}.weight" for module in (quantization.modules if quantization else ())}
@@ -150,6 +154,8 @@ def build_model(
         if name not in expected:
             unexpected.append(key)
             continue
+        if degree > 1:  # a copy: the rank keeps its slice, not the whole tensor's storage
+            tensor = shard_tensor(config, name, tensor, rank, degree).clone()
         if tuple(tensor.shape) != tuple(expected[name].shape):
             if name.endswith(SCALE_SUFFIX):
                 raise CheckpointError(

@@ -40,6 +40,13 @@ class GrammarConstraint:
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an llguidance grammar matcher cannot be sent to another process: structured output "
+            "(response_format, tool_choice 'required' or a named function) does not run with tp_degree > 1 "
+            "yet"
+        )
+
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         if not self._open:
             return None

@@ -1,0 +1,217 @@
+"""The tensor-parallel sharding plan: which slice of each checkpoint tensor a rank holds (as vLLM shards
+Gated DeltaNet), the per-rank model config, and the all-reduces that join the ranks' partial sums.
+
+A rank's model is the ordinary `Qwen36ForCausalLM` built from `shard_config(config, degree)` (fewer heads
+and a narrower MLP, the same hidden size), so the model code knows nothing of TP. What changes:
+
+- GDN: `in_proj_qkv` and the depthwise `conv1d` keep the rank's key heads of the q and k sections and its
+  value heads of the v section; `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias` its value heads
+  (value head j reads key head j // (HV / H), on the same rank); the gated norm is per head (replicated);
+  `out_proj` keeps the rank's input columns. Conv and recurrent states hold the rank's heads only.
+- Attention: the rank's query heads of the interleaved query / gate `q_proj`, its KV heads (one replicated
+  KV head when there are fewer KV heads than ranks), the matching input columns of `o_proj`.
+- MLP: gate / up rows, down columns. Norms and the MTP layer's `fc` are replicated.
+- Embeddings and `lm_head` are vocab-parallel (rank r holds tokens [r V/N, (r + 1) V/N)): the embedding and
+  the output projection are most of the bytes a decode step reads on a small model, and replicating them
+  would make every rank read all of them.
+- `parallelize` (gpt-fast's module surgery) adds the collectives: the outputs of `o_proj`, `out_proj` and
+  `down_proj` are partial sums, summed over the ranks in place (a forward hook on each); the embedding
+  gives zeros for other ranks' tokens and is summed the same way; the lm_head's logits are gathered. Every
+  rank then holds the same hidden state after each mixer and MLP, and the same logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+# Modules whose output is a partial sum over the ranks (row-parallel linears).
+ROW_PARALLEL = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
+
+AllReduce = Callable[[torch.Tensor], None]
+AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel degree this model cannot be split by, or settings TP does not support."""
+
+
+def check_tp_degree(config: PretrainedConfig, degree: int) -> None:
+    """Raise unless every sharded count of the model divides by `degree` (KV heads: or divide it)."""
+    problem = _degree_problem(config, degree)
+    if problem is not None:
+        raise TensorParallelError(f"{problem} Choose a degree among {valid_degrees(config)}.")
+
+
+def _degree_problem(config: PretrainedConfig, degree: int) -> str | None:
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, count in counts.items():
+        if count % degree:
+            return (
+                f"tp_degree={degree} does not divide {name}={count}: every rank must hold the same number "
+                "of them."
+            )
+    kv = config.num_key_value_heads
+    if kv % degree and degree % kv:
+        return (
+            f"tp_degree={degree} neither divides num_key_value_heads={kv} (KV heads split over the ranks) "
+            "nor is a multiple of it (KV heads replicated)."
+        )
+    return None
+
+
+def valid_degrees(config: PretrainedConfig, limit: int = 64) -> list[int]:
+    """The tensor-parallel degrees up to `limit` this model can be split by."""
+    return [degree for degree in range(1, limit + 1) if _degree_problem(config, degree) is None]
+
+
+def shard_config(config: PretrainedConfig, degree: int) -> PretrainedConfig:
+    """The config of one rank's model: its share of every head count and of the MLP width."""
+    local = copy.deepcopy(config)
+    if degree == 1:
+        return local
+    local.head_dim = config.head_dim
+    local.num_attention_heads = config.num_attention_heads // degree
+    local.num_key_value_heads = max(1, config.num_key_value_heads // degree)
+    local.linear_num_key_heads = config.linear_num_key_heads // degree
+    local.linear_num_value_heads = config.linear_num_value_heads // degree
+    local.intermediate_size = config.intermediate_size // degree
+    local.vocab_size = config.vocab_size // degree
+    return local
+
+
+def _rows(tensor: torch.Tensor, rank: int, degree: int, dim: int = 0) -> torch.Tensor:
+    return tensor.chunk(degree, dim=dim)[rank]
+
+
+def _qkv_sections(config: PretrainedConfig, tensor: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """The rank's slices of the q, k and v sections (dim 0) of in_proj_qkv / conv1d, concatenated."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    sections = tensor.split([key_dim, key_dim, value_dim], dim=0)
+    return torch.cat([_rows(section, rank, degree) for section in sections], dim=0)
+
+
+def _kv_heads(config: PretrainedConfig, tensor: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """k_proj / v_proj rows of the rank's KV heads: a share of them, or the one its query heads read."""
+    kv = config.num_key_value_heads
+    if kv >= degree:
+        return _rows(tensor, rank, degree)
+    return tensor.chunk(kv, dim=0)[rank // (degree // kv)]
+
+
+def _split_kind(name: str) -> str:
+    """How the checkpoint tensor `name` is split: "qkv", "rows", "kv", "columns", "bias" (row-parallel
+    bias: rank 0 adds it) or "replicated"."""
+    module, _, kind = name.rpartition(".")
+    if re.search(r"linear_attn\.(in_proj_qkv|conv1d)$", module):
+        return "qkv"
+    if re.search(r"linear_attn\.(in_proj_z|in_proj_a|in_proj_b)$", module) or (
+        module.endswith("linear_attn") and kind in ("A_log", "dt_bias")
+    ):
+        return "rows"  # by value head
+    if re.search(r"(self_attn\.q_proj|mlp\.gate_proj|mlp\.up_proj)$", module) or module in VOCAB_PARALLEL:
+        return "rows"
+    if re.search(r"self_attn\.(k_proj|v_proj)$", module):
+        return "kv"
+    if module.endswith(ROW_PARALLEL):
+        return "bias" if kind == "bias" else "columns"
+    return "replicated"  # norms, the MTP layer's fc
+
+
+def shard_tensor(
+    config: PretrainedConfig, name: str, tensor: torch.Tensor, rank: int, degree: int
+) -> torch.Tensor:
+    """The slice of the checkpoint tensor `name` (a model parameter name) that rank `rank` holds."""
+    split = _split_kind(name)
+    if degree == 1 or split == "replicated":
+        return tensor
+    if split == "qkv":
+        return _qkv_sections(config, tensor, rank, degree)
+    if split == "rows":
+        return _rows(tensor, rank, degree)
+    if split == "kv":
+        return _kv_heads(config, tensor, rank, degree)
+    if split == "bias":
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    return _rows(tensor, rank, degree, dim=1)
+
+
+def unshard_tensor(
+    config: PretrainedConfig, name: str, shards: list[torch.Tensor], degree: int
+) -> torch.Tensor:
+    """The checkpoint tensor `name` joined from every rank's slice (`shards[r]`: rank r's), inverting
+    `shard_tensor`: each shard goes where `shard_tensor` of the full tensor's element indices puts it."""
+    split = _split_kind(name)
+    if degree == 1 or split in ("replicated", "bias"):
+        return shards[0]
+    shape = list(shards[0].shape)
+    if split == "kv":
+        shape[0] = config.num_key_value_heads * config.head_dim
+    elif split == "columns":
+        shape[1] *= degree
+    else:
+        shape[0] *= degree
+    full = shards[0].new_empty(shape)
+    positions = torch.arange(full.numel()).view(shape)
+    for rank, shard in enumerate(shards):
+        full.view(-1)[shard_tensor(config, name, positions, rank, degree).reshape(-1)] = shard.reshape(-1)
+    return full
+
+
+class VocabParallelEmbedding(nn.Module):
+    """One rank's rows of the embedding table, `weight` [V / N, hidden] for tokens start..: other ranks'
+    tokens embed as zeros, and the sum over the ranks is every token's row (x + 0 is exact)."""
+
+    def __init__(self, weight: nn.Parameter, start: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.weight = weight
+        self.start = start
+        self.all_reduce = all_reduce
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        embeds = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        embeds = embeds * mine.unsqueeze(-1).to(embeds.dtype)
+        self.all_reduce(embeds)
+        return embeds
+
+
+class VocabParallelLMHead(nn.Module):
+    """One rank's rows of the output projection, `weight` [V / N, hidden]; the ranks' logits are gathered."""
+
+    def __init__(self, weight: nn.Parameter, all_gather: AllGather) -> None:
+        super().__init__()
+        self.weight = weight
+        self.all_gather = all_gather
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.all_gather(F.linear(hidden, self.weight)), dim=-1)
+
+
+def parallelize(model: nn.Module, rank: int, all_reduce: AllReduce, all_gather: AllGather) -> None:
+    """Add the collectives to one rank's model (built from `shard_config`, holding its shards)."""
+
+    def reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        all_reduce(output)
+
+    for name, module in model.named_modules():
+        if name.endswith(ROW_PARALLEL):
+            module.register_forward_hook(reduce_output)
+    embedding = model.model.embed_tokens.weight
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, rank * embedding.shape[0], all_reduce)
+    model.lm_head = VocabParallelLMHead(model.lm_head.weight, all_gather)  # the same Parameter when tied

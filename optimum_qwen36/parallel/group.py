@@ -1,0 +1,280 @@
+"""The processes of a tensor-parallel model and how they talk: torch.distributed's gloo process group for
+the model's all-reduces, its TCPStore for everything else (calls, outcomes, startup reports).
+
+Two ways to get the processes:
+
+- `launch` (from_pretrained(..., tp_degree=N) in an ordinary process): this process is rank 0 and starts
+  N - 1 worker processes (`python -m optimum_qwen36.parallel.worker`: fresh interpreters that do not
+  re-run the caller's script), on this machine, with a store on a free local port; each rank gets its
+  share of this process's threads.
+- under `torchrun` (RANK / WORLD_SIZE set, one node or several): every process is one of torchrun's; rank 0
+  is the driver and the others serve it (`torch.distributed.init_process_group("gloo")`, env://).
+
+The group is standalone in the spawned case (not torch.distributed's default group), so a user's own
+process group is left alone. A worker that dies makes the driver's next collective fail at once ("connection
+closed by peer"); the group then reports which rank died and how.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How long one collective may wait for the other ranks (they run the same layer in between), and how long
+# a worker may take to build its model shard (load, shard and, for compiled backends, compile).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+STARTUP_TIMEOUT = datetime.timedelta(hours=2)
+# How often a wait for a store key checks whether the workers still run.
+POLL_SECONDS = 0.01
+HOST = "127.0.0.1"
+JOB_KEY = "job"
+# The store refuses messages above 8 MiB (a tokenizer is about 10 MB pickled): larger ones go in parts.
+STORE_MESSAGE_BYTES = 4 * 2**20
+
+
+class TensorParallelWorkerError(RuntimeError):
+    """A tensor-parallel worker failed or died: the model cannot run any more (create it again)."""
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+class TensorParallelGroup:
+    """One rank's view of the group: its rank, the degree, the collectives and the store."""
+
+    def __init__(
+        self,
+        rank: int,
+        degree: int,
+        store: dist.Store,
+        process_group: Any = None,
+        workers: list[subprocess.Popen] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.degree = degree
+        self.store = store
+        self.process_group = process_group
+        self.workers = workers or []  # the driver's spawned worker processes (none under torchrun)
+        self.dead: str | None = None  # why the group cannot run any more
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ collectives
+    def connect(self) -> None:
+        """Join the process group (every rank at once: gloo connects each pair of ranks)."""
+        if self.process_group is None:
+            prefix = dist.PrefixStore("optimum-qwen36-tp", self.store)
+            self.process_group = dist.ProcessGroupGloo(prefix, self.rank, self.degree, COLLECTIVE_TIMEOUT)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place (every rank gets the same bits)."""
+        self.process_group.allreduce([tensor]).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on each), in rank order."""
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(self.degree)]
+        self.process_group.allgather([gathered], [tensor]).wait()
+        return gathered
+
+    # ------------------------------------------------------------------ store messages
+    def post(self, key: str, value: Any) -> None:
+        self.post_bytes(key, pickle.dumps(value))
+
+    def take(self, key: str) -> Any:
+        """The value posted under `key` (waiting for it), removed from the store."""
+        return pickle.loads(self.take_bytes(key))
+
+    def post_bytes(self, key: str, data: bytes) -> None:
+        """Post `data` under `key`, in parts when it is larger than the store takes in one message."""
+        if len(data) <= STORE_MESSAGE_BYTES:
+            self.store.set(key, b"\0" + data)
+            return
+        parts = range(0, len(data), STORE_MESSAGE_BYTES)
+        for number, start in enumerate(parts):
+            self.store.set(f"{key}#{number}", data[start : start + STORE_MESSAGE_BYTES])
+        self.store.set(key, b"\1" + str(len(parts)).encode())
+
+    def take_bytes(self, key: str) -> bytes:
+        """What `post_bytes` posted under `key`, removed from the store; waits for it, however long (a
+        worker waiting for the driver's next call), and raises when the driver, which hosts the store, is
+        gone."""
+        while True:
+            try:
+                value = self.store.get(key)
+                break
+            except dist.DistStoreError as error:
+                if "timeout" not in str(error).lower():
+                    raise
+        self.store.delete_key(key)
+        if value[:1] == b"\0":
+            return value[1:]
+        parts = []
+        for number in range(int(value[1:])):
+            parts.append(self.store.get(f"{key}#{number}"))
+            self.store.delete_key(f"{key}#{number}")
+        return b"".join(parts)
+
+    def wait_for(self, key: str, timeout: datetime.timedelta, alive: Callable[[], str | None]) -> bool:
+        """Wait until `key` is posted (True) or `timeout` passes (False); `alive` says why to stop early."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = POLL_SECONDS / 64  # an outcome is usually posted within a millisecond
+        while not self.store.check([key]):
+            reason = alive()
+            if reason is not None:
+                raise TensorParallelWorkerError(reason)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_SECONDS)
+        return True
+
+    # ------------------------------------------------------------------ failures
+    def worker_status(self) -> str | None:
+        """Why some spawned worker is gone (its rank, pid and exit code), or None while all run."""
+        for rank, process in enumerate(self.workers, start=1):
+            code = process.poll()
+            if code is not None:
+                return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {code}"
+        return None
+
+    def explain(self, error: BaseException) -> str:
+        """What a failed collective means for this group: a dead worker, or the error itself."""
+        time.sleep(0.2)  # a killed worker's exit code shows up just after its sockets close
+        status = self.worker_status()
+        return status or f"a collective with the tensor-parallel workers failed: {error}"
+
+    def fail(self, reason: str) -> TensorParallelWorkerError:
+        """Mark the group dead, stop the workers, and return the error to raise."""
+        self.dead = reason
+        self.shutdown()
+        return TensorParallelWorkerError(
+            f"{reason}. The model cannot run any more: create it again (from_pretrained)."
+        )
+
+    def shutdown(self) -> None:
+        """Stop the spawned workers (a torchrun job's workers stop when they read the `close` call)."""
+        for process in self.workers:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.workers:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.process_group = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _store(rank: int, degree: int, port: int) -> dist.TCPStore:
+    # The store's own timeout bounds a single get: waits that may be long are polled (`wait_for`).
+    return dist.TCPStore(
+        HOST, port, degree, is_master=rank == 0, timeout=STARTUP_TIMEOUT, wait_for_workers=False
+    )
+
+
+RankJob = Callable[[TensorParallelGroup], Any]
+WorkerLoop = Callable[[Any, TensorParallelGroup], None]
+
+
+def worker_main(rank: int, degree: int, port: int, threads: int) -> None:
+    """A spawned worker: build this rank's model, report it ready (or the error), join, serve the driver."""
+    torch.set_num_threads(threads)
+    group = TensorParallelGroup(rank, degree, _store(rank, degree, port))
+    job, loop = group.take(f"{JOB_KEY}/{rank}")
+    try:
+        model = job(group)
+    except BaseException as error:  # reported to the driver, which raises it
+        group.post(f"startup/{rank}", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        return
+    group.post(f"startup/{rank}", None)
+    group.connect()
+    try:
+        loop(model, group)
+    except dist.DistNetworkError:
+        logger.info("tensor-parallel worker rank %d: the driver is gone, exiting", rank)
+
+
+def launch(degree: int, job: RankJob, loop: WorkerLoop) -> tuple[TensorParallelGroup, Any]:
+    """Rank 0's group and model, with the other ranks' models built and serving it.
+
+    `job(group)` builds one rank's model; `loop(model, group)` serves the driver's calls on a worker. Under
+    torchrun a worker's process runs its loop here and then exits (its from_pretrained never returns)."""
+    if under_torchrun():
+        return _join_torchrun(degree, job, loop)
+    port = _free_port()
+    store = _store(0, degree, port)
+    threads = max(1, torch.get_num_threads() // degree)
+    if threads != torch.get_num_threads():
+        logger.info("tp_degree=%d: each rank (this process included) uses %d threads", degree, threads)
+        torch.set_num_threads(threads)
+    command = [sys.executable, "-m", "optimum_qwen36.parallel.worker", str(degree), str(port), str(threads)]
+    workers = [subprocess.Popen([*command, str(rank)]) for rank in range(1, degree)]
+    group = TensorParallelGroup(0, degree, store, workers=workers)
+    for rank in range(1, degree):
+        group.post(f"{JOB_KEY}/{rank}", (job, loop))
+    try:
+        model = job(group)
+        for rank in range(1, degree):
+            _wait_startup(group, rank)
+        group.connect()
+    except BaseException:
+        group.shutdown()
+        raise
+    return group, model
+
+
+def _wait_startup(group: TensorParallelGroup, rank: int) -> None:
+    key = f"startup/{rank}"
+    if not group.wait_for(key, STARTUP_TIMEOUT, group.worker_status):
+        raise TensorParallelWorkerError(
+            f"tensor-parallel worker rank {rank} did not build its model within {STARTUP_TIMEOUT}."
+        )
+    error = group.take(key)
+    if error is not None:
+        raise TensorParallelWorkerError(
+            f"tensor-parallel worker rank {rank} failed to build its model: {error}"
+        )
+
+
+def _join_torchrun(degree: int, job: RankJob, loop: WorkerLoop) -> tuple[TensorParallelGroup, Any]:
+    world = int(os.environ["WORLD_SIZE"])
+    if world != degree:
+        raise ValueError(
+            f"tp_degree={degree} but torchrun started {world} processes (WORLD_SIZE): launch it with "
+            f"--nproc-per-node / --nnodes giving {degree} processes in all."
+        )
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    group = TensorParallelGroup(rank, degree, store, process_group=dist.group.WORLD)
+    model = job(group)
+    if rank == 0:
+        return group, model
+    loop(model, group)
+    dist.destroy_process_group()
+    raise SystemExit(0)

@@ -1,0 +1,198 @@
+"""Tensor parallelism: a model split over 2 processes (gloo, fp32, eager backend) gives the tokens of one
+process and logits within 1e-5 of the largest, on a configuration that exercises the awkward cases (one KV
+head for 2 ranks: replicated; 6 GDN value heads over 2 key heads: HV / H = 3), through generate() and the
+engine, with prefix caching on; the sharding plan's checks; saving and loading; a killed worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
+from helpers import export_eager, left_padded_prompts
+from safetensors.torch import load_file
+
+from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
+from optimum_qwen36.modeling.tensor_parallel import (
+    TensorParallelError,
+    check_tp_degree,
+    shard_config,
+    shard_tensor,
+    unshard_tensor,
+    valid_degrees,
+)
+from optimum_qwen36.parallel.group import TensorParallelWorkerError
+
+AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
+SETTINGS = dict(batch_size=3, sequence_length=256, prefill_chunk_size=32)
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", seed=3, **AWKWARD)
+    add_random_mtp_weights(directory, tiny_text_config(**AWKWARD), seed=3)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def one(checkpoint: Path) -> NeuronQwen36ForCausalLM:
+    return export_eager(checkpoint, prefix_caching=True, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def two(checkpoint: Path) -> NeuronQwen36ForCausalLM:
+    return export_eager(checkpoint, prefix_caching=True, tp_degree=2, **SETTINGS)
+
+
+def assert_logits_close(reference: torch.Tensor, other: torch.Tensor) -> None:
+    scale = reference.abs().max()
+    assert (reference - other).abs().max() <= 1e-5 * scale
+
+
+def test_sharding_plan_splits_and_joins_every_tensor() -> None:
+    config = tiny_text_config(**AWKWARD)
+    torch.manual_seed(0)
+    model = Qwen36ForCausalLM(config, mtp=True)
+    local = shard_config(config, 2)
+    local_shapes = {n: p.shape for n, p in Qwen36ForCausalLM(local, mtp=True).named_parameters()}
+    for name, tensor in model.named_parameters():
+        shards = [shard_tensor(config, name, tensor, rank, 2) for rank in range(2)]
+        assert all(s.shape == local_shapes[name] for s in shards), name
+        assert torch.equal(unshard_tensor(config, name, shards, 2), tensor), name
+    # The replicated KV head is the one both ranks' query heads read.
+    k_proj = model.model.layers[3].self_attn.k_proj.weight
+    assert torch.equal(shard_tensor(config, "model.layers.3.self_attn.k_proj.weight", k_proj, 1, 2), k_proj)
+
+
+def test_degrees_are_checked_against_every_head_count(tmp_path: Path) -> None:
+    qwen36_27b = tiny_text_config(
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        intermediate_size=17408,
+    )
+    assert valid_degrees(qwen36_27b, 16) == [1, 2, 4, 8]
+    with pytest.raises(TensorParallelError, match="linear_num_key_heads=16"):
+        check_tp_degree(qwen36_27b, 3)
+    with pytest.raises(TensorParallelError, match="num_attention_heads=24"):
+        check_tp_degree(qwen36_27b, 16)
+    odd_kv = tiny_text_config(num_attention_heads=6, num_key_value_heads=3, intermediate_size=132)
+    with pytest.raises(TensorParallelError, match="num_key_value_heads=3"):
+        check_tp_degree(odd_kv, 2)
+    directory, _ = save_tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(TensorParallelError, match=r"tp_degree=3 does not divide num_attention_heads=4"):
+        NeuronQwen36ForCausalLM.get_neuron_config(directory, tp_degree=3, backend="eager")
+
+
+def test_generate_matches_one_process(one, two) -> None:
+    input_ids, attention_mask = left_padded_prompts([70, 41, 9], VOCAB, seed=1)
+    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    for _ in range(2):  # the second call reuses the prompts' prefixes on every rank
+        reference = one.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        split = two.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        assert torch.equal(reference.sequences, split.sequences)
+        assert_logits_close(torch.stack(reference.logits), torch.stack(split.logits))
+    assert split.cached_tokens.tolist() == reference.cached_tokens.tolist()
+    assert split.cached_tokens[0] == 64  # granularity 64: the 70-token prompt reuses one block
+
+
+def test_sampling_agrees_on_every_rank(two) -> None:
+    """Unseeded sampling: the driver's RNG state reaches the workers (a divergence would raise)."""
+    input_ids, attention_mask = left_padded_prompts([20, 33], VOCAB, seed=2)
+    out = two.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True, top_k=50)
+    assert out.shape == (2, 43)
+
+
+def test_engine_matches_one_process(one, two) -> None:
+    prompts = [
+        torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (90, 17, 50, 33)
+    ]
+    results = []
+    for model in (one, two):
+        engine = model.create_engine()
+        ids = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
+        sampled = engine.add_request(prompts[0], SamplingParams(max_tokens=10, temperature=1.0))
+        done = engine.run()
+        results.append([done[i].output_ids for i in ids])
+        assert len(done[sampled].output_ids) == 10  # unseeded: each rank was given the driver's seed
+        assert engine.stats()["prefix_cache"]["hit_tokens"] > 0
+    assert results[0] == results[1]
+
+
+def test_bad_input_leaves_the_model_usable(two) -> None:
+    with pytest.raises(ValueError, match="not a token of this model's vocabulary"):
+        two.generate(torch.tensor([[1, 2, VOCAB + 5]]), max_new_tokens=2)
+    assert two.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+
+
+def test_save_and_load(two, checkpoint: Path, tmp_path: Path) -> None:
+    two.save_pretrained(tmp_path / "saved")
+    original = load_file(checkpoint / "model.safetensors")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert all(torch.equal(saved[name], original[name]) for name in saved)
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    assert loaded.neuron_config.tp_degree == 2
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    expected = two.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+    with pytest.raises(ValueError, match="tp_degree"):
+        NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved", tp_degree=1)
+
+
+def test_speculative_decoding_matches_one_process(checkpoint: Path) -> None:
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 4, [2, 7, 1, 8, 2, 8]]
+    outputs = []
+    for degree in (1, 2):
+        model = export_eager(checkpoint, tp_degree=degree, num_speculative_tokens=2, **SETTINGS)
+        engine = model.create_engine()
+        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        done = engine.run()
+        outputs.append([done[i].output_ids for i in ids])
+    assert outputs[0] == outputs[1]
+
+
+def test_killed_worker_ends_the_model_with_a_clear_error(checkpoint: Path) -> None:
+    model = export_eager(checkpoint, tp_degree=2, **SETTINGS)
+    worker = model.tensor_parallel.group.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelWorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    assert time.monotonic() - start < 30
+    with pytest.raises(TensorParallelWorkerError, match="cannot run any more"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+
+
+def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from optimum_qwen36 import NeuronQwen36ForCausalLM
+            model = NeuronQwen36ForCausalLM.from_pretrained(
+                {str(checkpoint)!r}, export=True, backend="eager", dtype="float32", tp_degree=2,
+                batch_size=3, sequence_length=256, prefill_chunk_size=32,
+            )
+            tokens = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False)
+            print("TOKENS", tokens.tolist())
+            """
+        )
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = one.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False).tolist()
+    assert f"TOKENS {expected}" in result.stdout
