@@ -5,6 +5,7 @@ engine, with prefix caching on; the sharding plan's checks; saving and loading; 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
 from helpers import export_eager, left_padded_prompts
 from safetensors.torch import load_file
+from transformers.generation.logits_process import LogitsProcessorList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
@@ -59,8 +61,9 @@ def assert_logits_close(reference: torch.Tensor, other: torch.Tensor) -> None:
     assert (reference - other).abs().max() <= 1e-5 * scale
 
 
-def test_sharding_plan_splits_and_joins_every_tensor() -> None:
-    config = tiny_text_config(**AWKWARD)
+@pytest.mark.parametrize("overrides", [AWKWARD, {"tie_word_embeddings": True}], ids=["kv-replicated", "tied"])
+def test_sharding_plan_splits_and_joins_every_tensor(overrides: dict) -> None:
+    config = tiny_text_config(**overrides)
     torch.manual_seed(0)
     model = Qwen36ForCausalLM(config, mtp=True)
     local = shard_config(config, 2)
@@ -69,9 +72,10 @@ def test_sharding_plan_splits_and_joins_every_tensor() -> None:
         shards = [shard_tensor(config, name, tensor, rank, 2) for rank in range(2)]
         assert all(s.shape == local_shapes[name] for s in shards), name
         assert torch.equal(unshard_tensor(config, name, shards, 2), tensor), name
-    # The replicated KV head is the one both ranks' query heads read.
-    k_proj = model.model.layers[3].self_attn.k_proj.weight
-    assert torch.equal(shard_tensor(config, "model.layers.3.self_attn.k_proj.weight", k_proj, 1, 2), k_proj)
+    if config.num_key_value_heads == 1:  # the replicated KV head is the one both ranks' query heads read
+        k_proj = model.model.layers[3].self_attn.k_proj.weight
+        k_name = "model.layers.3.self_attn.k_proj.weight"
+        assert torch.equal(shard_tensor(config, k_name, k_proj, 1, 2), k_proj)
 
 
 def test_degrees_are_checked_against_every_head_count(tmp_path: Path) -> None:
@@ -135,6 +139,25 @@ def test_bad_input_leaves_the_model_usable(two) -> None:
     with pytest.raises(ValueError, match="not a token of this model's vocabulary"):
         two.generate(torch.tensor([[1, 2, VOCAB + 5]]), max_new_tokens=2)
     assert two.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+
+
+def test_unpicklable_argument_is_refused_and_the_model_still_works(two) -> None:
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="sent to every worker process"):
+        two.generate(prompt, max_new_tokens=2, logits_processor=LogitsProcessorList([lambda ids, s: s]))
+    assert two.generate(prompt, max_new_tokens=2, do_sample=False).shape == (1, 5)
+
+
+def test_split_kv_heads_tied_embeddings_and_an_engine_outliving_its_model(tmp_path: Path) -> None:
+    directory, _ = save_tiny_checkpoint(tmp_path / "tied", seed=5, tie_word_embeddings=True)  # 2 KV heads
+    prompt = [7, 3, 9, 1, 4] * 5
+    outputs = []
+    for degree in (1, 2):
+        engine = export_eager(directory, tp_degree=degree, **SETTINGS).create_engine()
+        gc.collect()  # only the engine refers to the model now
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        outputs.append(engine.run()[request_id].output_ids)
+    assert outputs[0] == outputs[1]
 
 
 def test_save_and_load(two, checkpoint: Path, tmp_path: Path) -> None:

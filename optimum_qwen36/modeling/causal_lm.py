@@ -377,11 +377,12 @@ class NeuronModelForCausalLM:
         state = {name: p.detach() for name, p in self.model.named_parameters()}
         if self.tensor_parallel is None:
             return state
-        group = self.tensor_parallel.group
-        return {
-            name: unshard_tensor(self.config, name, group.all_gather(t), group.degree)
-            for name, t in state.items()
-        }
+        group, full = self.tensor_parallel.group, {}
+        for name, tensor in state.items():
+            shards = group.all_gather(tensor)
+            if group.is_driver:  # the workers take part in the gathers and keep nothing
+                full[name] = unshard_tensor(self.config, name, shards, group.degree)
+        return full
 
     def _save_tokenizer(self, directory: str | os.PathLike) -> None:
         """The checkpoint's own tokenizer files, or the Qwen3.5/3.6 tokenizer shipped with this package."""
@@ -466,7 +467,7 @@ class NeuronModelForCausalLM:
         }
         if isinstance(self.tensor_parallel, Driver):
             engine = self.tensor_parallel.call(self, "_create_engine", kwargs=options, register=True)
-            return ReplicatedEngine(engine, self.tensor_parallel)
+            return ReplicatedEngine(engine, self.tensor_parallel, self)
         return self._create_engine(**options)
 
     def _create_engine(

@@ -154,22 +154,22 @@ def unshard_tensor(
     config: PretrainedConfig, name: str, shards: list[torch.Tensor], degree: int
 ) -> torch.Tensor:
     """The checkpoint tensor `name` joined from every rank's slice (`shards[r]`: rank r's), inverting
-    `shard_tensor`: each shard goes where `shard_tensor` of the full tensor's element indices puts it."""
+    `shard_tensor`."""
     split = _split_kind(name)
     if degree == 1 or split in ("replicated", "bias"):
         return shards[0]
-    shape = list(shards[0].shape)
+    if split == "rows":
+        return torch.cat(shards, dim=0)
+    if split == "columns":
+        return torch.cat(shards, dim=1)
     if split == "kv":
-        shape[0] = config.num_key_value_heads * config.head_dim
-    elif split == "columns":
-        shape[1] *= degree
-    else:
-        shape[0] *= degree
-    full = shards[0].new_empty(shape)
-    positions = torch.arange(full.numel()).view(shape)
-    for rank, shard in enumerate(shards):
-        full.view(-1)[shard_tensor(config, name, positions, rank, degree).reshape(-1)] = shard.reshape(-1)
-    return full
+        kv = config.num_key_value_heads
+        # Fewer KV heads than ranks: ranks r * (degree / kv) hold head r (the others hold copies).
+        return torch.cat(shards if kv >= degree else shards[:: degree // kv], dim=0)
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim // degree
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim // degree
+    sections = [shard.split([key_dim, key_dim, value_dim], dim=0) for shard in shards]
+    return torch.cat([torch.cat([s[i] for s in sections], dim=0) for i in range(3)], dim=0)
 
 
 class VocabParallelEmbedding(nn.Module):

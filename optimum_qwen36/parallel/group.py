@@ -18,9 +18,12 @@ closed by peer"); the group then reports which rank died and how.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
 import os
 import pickle
+import secrets
 import socket
 import subprocess
 import sys
@@ -42,6 +45,8 @@ STARTUP_TIMEOUT = datetime.timedelta(hours=2)
 POLL_SECONDS = 0.01
 HOST = "127.0.0.1"
 JOB_KEY = "job"
+CONNECT_KEY = "connect"
+SECRET_ENV = "OPTIMUM_QWEN36_TP_SECRET"
 # The store refuses messages above 8 MiB (a tokenizer is about 10 MB pickled): larger ones go in parts.
 STORE_MESSAGE_BYTES = 4 * 2**20
 
@@ -64,10 +69,14 @@ class TensorParallelGroup:
         store: dist.Store,
         process_group: Any = None,
         workers: list[subprocess.Popen] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.rank = rank
         self.degree = degree
         self.store = store
+        # Spawned groups sign every store message (workers unpickle them): the store's port is open to
+        # whoever can reach it. torchrun's store is torchrun's to protect, as for torch.distributed itself.
+        self.secret = secret
         self.process_group = process_group
         self.workers = workers or []  # the driver's spawned worker processes (none under torchrun)
         self.dead: str | None = None  # why the group cannot run any more
@@ -102,8 +111,15 @@ class TensorParallelGroup:
         """The value posted under `key` (waiting for it), removed from the store."""
         return pickle.loads(self.take_bytes(key))
 
+    def _signature(self, key: str, data: bytes) -> bytes:
+        if self.secret is None:
+            return b""
+        return hmac.new(self.secret, key.encode() + b"\0" + data, hashlib.sha256).digest()
+
     def post_bytes(self, key: str, data: bytes) -> None:
-        """Post `data` under `key`, in parts when it is larger than the store takes in one message."""
+        """Post `data` under `key` (signed), in parts when it is larger than the store takes in one
+        message."""
+        data = self._signature(key, data) + data
         if len(data) <= STORE_MESSAGE_BYTES:
             self.store.set(key, b"\0" + data)
             return
@@ -125,12 +141,18 @@ class TensorParallelGroup:
                     raise
         self.store.delete_key(key)
         if value[:1] == b"\0":
-            return value[1:]
-        parts = []
-        for number in range(int(value[1:])):
-            parts.append(self.store.get(f"{key}#{number}"))
-            self.store.delete_key(f"{key}#{number}")
-        return b"".join(parts)
+            data = value[1:]
+        else:
+            parts = []
+            for number in range(int(value[1:])):
+                parts.append(self.store.get(f"{key}#{number}"))
+                self.store.delete_key(f"{key}#{number}")
+            data = b"".join(parts)
+        size = len(self._signature(key, b""))
+        signature, data = data[:size], data[size:]
+        if not hmac.compare_digest(signature, self._signature(key, data)):
+            raise TensorParallelWorkerError(f"the store message {key!r} is not signed by this group's driver")
+        return data
 
     def wait_for(self, key: str, timeout: datetime.timedelta, alive: Callable[[], str | None]) -> bool:
         """Wait until `key` is posted (True) or `timeout` passes (False); `alive` says why to stop early."""
@@ -201,16 +223,19 @@ WorkerLoop = Callable[[Any, TensorParallelGroup], None]
 
 
 def worker_main(rank: int, degree: int, port: int, threads: int) -> None:
-    """A spawned worker: build this rank's model, report it ready (or the error), join, serve the driver."""
+    """A spawned worker: build this rank's model, report it ready (or the error), join when the driver
+    says every rank is ready, serve the driver."""
     torch.set_num_threads(threads)
-    group = TensorParallelGroup(rank, degree, _store(rank, degree, port))
-    job, loop = group.take(f"{JOB_KEY}/{rank}")
+    secret = bytes.fromhex(os.environ.pop(SECRET_ENV))
+    group = TensorParallelGroup(rank, degree, _store(rank, degree, port), secret=secret)
     try:
+        job, loop = group.take(f"{JOB_KEY}/{rank}")
         model = job(group)
     except BaseException as error:  # reported to the driver, which raises it
         group.post(f"startup/{rank}", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
         return
     group.post(f"startup/{rank}", None)
+    group.take(f"{CONNECT_KEY}/{rank}")
     group.connect()
     try:
         loop(model, group)
@@ -232,14 +257,18 @@ def launch(degree: int, job: RankJob, loop: WorkerLoop) -> tuple[TensorParallelG
         logger.info("tp_degree=%d: each rank (this process included) uses %d threads", degree, threads)
         torch.set_num_threads(threads)
     command = [sys.executable, "-m", "optimum_qwen36.parallel.worker", str(degree), str(port), str(threads)]
-    workers = [subprocess.Popen([*command, str(rank)]) for rank in range(1, degree)]
-    group = TensorParallelGroup(0, degree, store, workers=workers)
-    for rank in range(1, degree):
-        group.post(f"{JOB_KEY}/{rank}", (job, loop))
+    secret = secrets.token_bytes(32)
+    environment = {**os.environ, SECRET_ENV: secret.hex()}  # not on the command line: `ps` shows that
+    workers = [subprocess.Popen([*command, str(rank)], env=environment) for rank in range(1, degree)]
+    group = TensorParallelGroup(0, degree, store, workers=workers, secret=secret)
     try:
+        for rank in range(1, degree):
+            group.post(f"{JOB_KEY}/{rank}", (job, loop))
         model = job(group)
         for rank in range(1, degree):
             _wait_startup(group, rank)
+        for rank in range(1, degree):  # every rank is ready: gloo's connection timeout starts now
+            group.post(f"{CONNECT_KEY}/{rank}", None)
         group.connect()
     except BaseException:
         group.shutdown()

@@ -129,27 +129,39 @@ class Driver(Replicas):
                 raise TensorParallelWorkerError(
                     f"{self.group.dead}. The model cannot run any more: create it again (from_pretrained)."
                 )
-            number = next(self._calls)
             released = []
             while self._released:  # finalizers may append meanwhile (garbage collection)
                 released.append(self._released.pop())
             message = Call(
                 self._ids[id(target)], method, args, kwargs, torch.get_rng_state(), released, digest, register
             )
-            self._post_call(number, message)
             try:
+                payload = self._pickled(message)
+            except ValueError:
+                self._released.extend(released)  # nothing was sent: the workers still hold those objects
+                raise
+            # From here the workers run the call: any failure that leaves the ranks apart ends the group.
+            number = next(self._calls)
+            try:
+                for rank in range(1, self.group.degree):
+                    self.group.post_bytes(f"call/{number}/{rank}", payload)
                 result = getattr(target, method)(*args, **kwargs, **(local_kwargs or {}))
             except TensorParallelWorkerError:
                 raise
             except BaseException as error:
                 self._after_failure(number, error)
                 raise
-            self._check_outcomes(number, None if digest is None else digest(result))
+            try:
+                self._check_outcomes(number, None if digest is None else digest(result))
+            except TensorParallelWorkerError:
+                raise
+            except BaseException as error:  # interrupted while the workers finish: they are ahead now
+                raise self._fail(f"interrupted while the workers finished call {number}") from error
             if register:
                 self.register(result)
             return result
 
-    def _post_call(self, number: int, message: Call) -> None:
+    def _pickled(self, message: Call) -> bytes:
         buffer = io.BytesIO()
         try:
             _Pickler(buffer, self._ids).dump(message)
@@ -157,10 +169,34 @@ class Driver(Replicas):
             raise ValueError(
                 f"With tp_degree={self.group.degree}, the arguments of {message.method}() are sent to every "
                 f"worker process, and these could not be: {error}. Pass picklable values (token ids, "
-                "GenerationConfig, plain logits processors)."
+                "GenerationConfig, logits processors defined in an importable module)."
             ) from error
+        return buffer.getvalue()
+
+    def _fail(self, reason: str) -> TensorParallelWorkerError:
+        """End the group; torchrun's workers (not processes of ours) are told to stop at their next call."""
+        error = self.group.fail(reason)
+        number = next(self._calls)
         for rank in range(1, self.group.degree):
-            self.group.post_bytes(f"call/{number}/{rank}", buffer.getvalue())
+            try:
+                self.group.post(f"call/{number}/{rank}", CLOSE)
+            except dist.DistNetworkError:
+                break  # the store is gone with the processes
+        return error
+
+    def _worker_errors(self, number: int) -> str:
+        """The errors the workers posted for call `number`, if any (why a worker went away)."""
+        errors = []
+        for rank in range(1, self.group.degree):
+            key = f"done/{number}/{rank}"
+            try:
+                if self.group.store.check([key]):
+                    ok, value = self.group.take(key)
+                    if not ok:
+                        errors.append(f"rank {rank}: {value}")
+            except dist.DistNetworkError:
+                break
+        return "; ".join(errors)
 
     def _outcomes(self, number: int, timeout: datetime.timedelta) -> dict[int, tuple[bool, str | None]]:
         outcomes = {}
@@ -174,17 +210,15 @@ class Driver(Replicas):
         try:
             outcomes = self._outcomes(number, COLLECTIVE_TIMEOUT)
         except TensorParallelWorkerError as error:
-            raise self.group.fail(str(error)) from None
+            raise self._fail(str(error)) from None
         for rank in range(1, self.group.degree):
             if rank not in outcomes:
-                raise self.group.fail(f"tensor-parallel worker rank {rank} did not finish call {number}")
+                raise self._fail(f"tensor-parallel worker rank {rank} did not finish call {number}")
             ok, value = outcomes[rank]
             if not ok:
-                raise self.group.fail(
-                    f"tensor-parallel worker rank {rank} failed where rank 0 did not: {value}"
-                )
+                raise self._fail(f"tensor-parallel worker rank {rank} failed where rank 0 did not: {value}")
             if value != digest:
-                raise self.group.fail(
+                raise self._fail(
                     f"tensor-parallel worker rank {rank} computed a different result than rank 0 (the ranks "
                     "diverged)"
                 )
@@ -192,18 +226,20 @@ class Driver(Replicas):
     def _after_failure(self, number: int, error: BaseException) -> None:
         """The call raised here: fine if it raised on every rank (bad input), else the group is broken."""
         if "Connection closed by peer" in str(error) or "Timed out" in str(error):
-            raise self.group.fail(self.group.explain(error)) from error
+            reason = self.group.explain(error)
+            posted = self._worker_errors(number)
+            raise self._fail(f"{reason} ({posted})" if posted else reason) from error
         try:
             outcomes = self._outcomes(number, FAILURE_GRACE)
         except TensorParallelWorkerError as dead:
-            raise self.group.fail(str(dead)) from error
+            raise self._fail(str(dead)) from error
         same = len(outcomes) == self.group.degree - 1 and all(
             not ok and str(value).startswith(type(error).__name__) for ok, value in outcomes.values()
         )
         for rank in range(1, self.group.degree):
             self.group.post(f"verdict/{number}/{rank}", same)
         if not same:
-            raise self.group.fail(f"rank 0 failed alone ({type(error).__name__}: {error})") from error
+            raise self._fail(f"rank 0 failed alone ({type(error).__name__}: {error})") from error
 
     def close(self) -> None:
         """Tell the workers to stop (they exit), then wait for the spawned ones."""
@@ -237,11 +273,11 @@ class Worker(Replicas):
             raw = self.group.take_bytes(f"call/{number}/{rank}")
             if raw == pickle.dumps(CLOSE):
                 return
-            call: Call = _Unpickler(io.BytesIO(raw), self.objects).load()
-            for replica in call.released:
-                self.objects.pop(replica, None)
-            torch.set_rng_state(call.rng_state)
             try:
+                call: Call = _Unpickler(io.BytesIO(raw), self.objects).load()
+                for replica in call.released:
+                    self.objects.pop(replica, None)
+                torch.set_rng_state(call.rng_state)
                 result = getattr(self.objects[call.target], call.method)(*call.args, **call.kwargs)
             except BaseException as error:
                 self.group.post(f"done/{number}/{rank}", (False, f"{type(error).__name__}: {error}"))
@@ -256,6 +292,7 @@ class Worker(Replicas):
             )
             if call.register:
                 self.register(result)
+            del result  # a gathered state dict, say: not kept until the next call
 
 
 def serve_driver(model: Any, group: TensorParallelGroup) -> None:
@@ -278,9 +315,10 @@ def outputs_digest(outputs: list[Any]) -> str:
 class ReplicatedEngine:
     """The driver's engine: calls that change it run on every rank; reads (stats, requests) run here."""
 
-    def __init__(self, engine: Any, driver: Driver) -> None:
+    def __init__(self, engine: Any, driver: Driver, model: Any) -> None:
         self._engine = engine
         self._driver = driver
+        self._model = model  # the workers stop when the model goes: it must live as long as its engines
 
     def add_request(
         self,
@@ -293,6 +331,8 @@ class ReplicatedEngine:
         return self._driver.call(self._engine, "add_request", args)
 
     def abort(self, request_id: str, after_error: bool = False) -> Any:
+        if self._driver.group.dead is not None:  # nothing runs any more: free the request here
+            return self._engine.abort(request_id, after_error=True)
         return self._driver.call(self._engine, "abort", (request_id, after_error))
 
     def step(self) -> list[Any]:
