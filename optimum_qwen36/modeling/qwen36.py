@@ -597,16 +597,10 @@ class Qwen36ForCausalLM(nn.Module):
         spec_recurrent_state: torch.Tensor,
     ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [B, T, hidden] of a verify step and what its layers read."""
-        block_size = key_cache.shape[2]
-        positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self._rotary(positions, hidden.dtype)
-        step = StepInputs(
-            cos, sin, self._write_slots(positions, valid, block_tables, block_size), block_tables,
-            self._attend(positions, block_tables.shape[1] * block_size), slots, None, None,
-            key_cache, value_cache, conv_state, recurrent_state, spec_conv_state, spec_recurrent_state,
-        )  # fmt: skip
-        return hidden, step
+        states = (conv_state, recurrent_state, spec_conv_state, spec_recurrent_state)
+        return self._rows_inputs(
+            input_ids, start_pos, num_valid, block_tables, key_cache, value_cache, slots, states
+        )
 
     def verify_step(
         self,
@@ -668,14 +662,32 @@ class Qwen36ForCausalLM(nn.Module):
         """The embedded tokens [B, T, hidden] of an MTP step and what its attention layer reads."""
         if self.mtp is None:
             raise RuntimeError("this model was built without its MTP layer (Qwen36ForCausalLM(mtp=True)).")
+        no_gdn = (None, None, None, None)
+        return self._rows_inputs(
+            input_ids, start_pos, num_valid, block_tables, key_cache, value_cache, None, no_gdn
+        )
+
+    def _rows_inputs(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_valid: torch.Tensor,
+        block_tables: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor | None,
+        gdn_states: tuple[torch.Tensor | None, ...],
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The embedded tokens [B, T, hidden] of T tokens per row at start_pos[b].. (the first num_valid[b]
+        real) and what the layers read; `gdn_states`: conv, recurrent, speculative conv and recurrent."""
         block_size = key_cache.shape[2]
         positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
         embeds = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, embeds.dtype)
         step = StepInputs(
             cos, sin, self._write_slots(positions, valid, block_tables, block_size), block_tables,
-            self._attend(positions, block_tables.shape[1] * block_size), None, None, None,
-            key_cache, value_cache, None, None,
+            self._attend(positions, block_tables.shape[1] * block_size), slots, None, None,
+            key_cache, value_cache, *gdn_states,
         )  # fmt: skip
         return embeds, step
 
