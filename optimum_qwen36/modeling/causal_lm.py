@@ -522,21 +522,19 @@ class NeuronModelForCausalLM:
 
         With tensor parallelism every rank runs the same call on its shard (the arguments are sent to the
         workers; `streamer` stays here)."""
+        kwargs = {
+            "inputs": inputs,
+            "generation_config": generation_config,
+            "logits_processor": logits_processor,
+            "stopping_criteria": stopping_criteria,
+            **kwargs,
+        }
         if isinstance(self.tensor_parallel, Driver):
-            kwargs = {
-                "inputs": inputs,
-                "generation_config": generation_config,
-                "logits_processor": logits_processor,
-                "stopping_criteria": stopping_criteria,
-                **kwargs,
-            }
             local = {"streamer": streamer}
             return self.tensor_parallel.call(
                 self, "_generate", kwargs=kwargs, local_kwargs=local, digest=generated_digest
             )
-        return self._generate(
-            inputs, generation_config, logits_processor, stopping_criteria, streamer, **kwargs
-        )
+        return self._generate(streamer=streamer, **kwargs)
 
     def _generate(
         self,
