@@ -12,9 +12,10 @@ Methods, on one exported model (the same compiled graphs, batch `--batch-size`):
   started when the previous one ended and at least one request has arrived; a batch runs until its
   longest output (what a static batch costs);
 - `vllm` (optional): `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON), a Python with vLLM installed
-  (`../shared/peers/setup_vllm_cpu.sh` makes one); burst only, `LLM.generate` on the same token ids with
-  `max_num_seqs=--batch-size`, total time only (offline vLLM reports no per-token times). Skipped, and
-  said so in the output, when not given.
+  (`../shared/peers/setup_vllm_cpu.sh` makes one), started after sourcing `--vllm-env SCRIPT` where given
+  (or $OPTIMUM_QWEN36_VLLM_ENV; vLLM-CPU's `vllm_env.sh` there); burst only, `LLM.generate` on the same
+  token ids with `max_num_seqs=--batch-size`, total time only (offline vLLM reports no per-token times).
+  Skipped, and said so in the output, when not given.
 Per run: total time, output tok/s, and over the requests TTFT (arrival to first token) and TPOT (time per
 output token after the first) p50 / p99. Methods alternate run by run (`--repeats`); the JSON keeps every
 run and min / median / max. Also checked: each request's tokens are the same from the engine and from
@@ -27,7 +28,8 @@ avx512_bf16, bf16 matrix products have no hardware support (benchmarks/bench_gem
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py                       # the full workload
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py --layers 4 --requests 16 \\
         --prompt-tokens 64 512 --output-tokens 16 64 --rate 1                        # a smaller one
-    python benchmarks/bench_engine.py --vllm-python $HOME/.cache/qwen36-peers/vllm-venv/bin/python
+    python benchmarks/bench_engine.py --vllm-python $HOME/.cache/qwen36-peers/vllm-venv/bin/python \\
+        --vllm-env ../shared/peers/vllm_env.sh
 
 Writes benchmarks/results/bench_engine.json and .png (or --output and its .png) and prints a table.
 """
@@ -38,7 +40,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,14 +49,13 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_checkpoint
-from timing import fmt, machine, spread
+from timing import VLLM_PYTHON_ENV, VLLM_SETUP_ENV, fmt, machine, run_vllm_script, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE, STATIC, VLLM = "engine", "static generate", "vllm"
-VLLM_ENV = "OPTIMUM_QWEN36_VLLM_PYTHON"
 
 
 @dataclass
@@ -176,26 +176,17 @@ print("VLLM_RESULT " + json.dumps({"vllm": __import__("vllm").__version__, "runs
 """
 
 
-def run_vllm(python: str, checkpoint: Path, works: list[Work], args: argparse.Namespace) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
-        json.dump(
-            {
-                "model": str(checkpoint),
-                "dtype": args.dtype,
-                "max_model_len": max_len(args),
-                "batch_size": args.batch_size,
-                "prompts": [w.prompt for w in works],
-                "outputs": [w.output_tokens for w in works],
-                "repeats": args.repeats,
-            },
-            spec,
-        )
-    done = subprocess.run([python, "-c", VLLM_SCRIPT, spec.name], capture_output=True, text=True, check=False)
-    os.unlink(spec.name)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if done.returncode or line is None:
-        raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(line.removeprefix("VLLM_RESULT "))
+def run_vllm(checkpoint: Path, works: list[Work], args: argparse.Namespace) -> dict:
+    spec = {
+        "model": str(checkpoint),
+        "dtype": args.dtype,
+        "max_model_len": max_len(args),
+        "batch_size": args.batch_size,
+        "prompts": [w.prompt for w in works],
+        "outputs": [w.output_tokens for w in works],
+        "repeats": args.repeats,
+    }
+    return run_vllm_script(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -293,7 +284,14 @@ def main() -> None:
     parser.add_argument(
         "--compile-cache-dir", type=Path, help="reuse compilations across runs of this script"
     )
-    parser.add_argument("--vllm-python", default=os.environ.get(VLLM_ENV), help=f"default ${VLLM_ENV}")
+    parser.add_argument(
+        "--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV), help=f"default ${VLLM_PYTHON_ENV}"
+    )
+    parser.add_argument(
+        "--vllm-env",
+        default=os.environ.get(VLLM_SETUP_ENV),
+        help=f"a bash script sourced before vLLM starts, e.g. peers/vllm_env.sh (default ${VLLM_SETUP_ENV})",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_engine.json")
     args = parser.parse_args()
 
@@ -338,7 +336,7 @@ def main() -> None:
             )
             if pattern == "burst":
                 if args.vllm_python:
-                    vllm = run_vllm(args.vllm_python, checkpoint, works, args)
+                    vllm = run_vllm(checkpoint, works, args)
                     vllm_runs = [
                         {"total_s": r["total_s"], "output_tok_per_s": r["output_tokens"] / r["total_s"]}
                         for r in vllm["runs"]
@@ -349,7 +347,8 @@ def main() -> None:
                         "runs": vllm_runs,
                     }
                 else:
-                    results[pattern][VLLM] = {"skipped": f"no vLLM Python (--vllm-python or ${VLLM_ENV})"}
+                    reason = f"no vLLM Python (--vllm-python or ${VLLM_PYTHON_ENV})"
+                    results[pattern][VLLM] = {"skipped": reason}
 
     report = {
         "command": " ".join(["python", *sys.argv]),

@@ -16,7 +16,11 @@ Measures, in one run:
 - with `--llama-bench BIN --gguf q8_0=FILE ...` (or $LLAMA_BENCH): llama.cpp's `llama-bench` on GGUF files
   of the same checkpoint (prefill at the same prompt lengths, decode of --decode-steps tokens, batch 1, same
   threads); without them the JSON and the table say it was skipped. `--write-checkpoint DIR` writes the
-  default random checkpoint (with tokenizer files) for the GGUF converter and exits.
+  default random checkpoint (with tokenizer files) for the GGUF converter and exits;
+- with `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON; `--vllm-env SCRIPT` is sourced first, e.g.
+  ../shared/peers/vllm_env.sh): vLLM-CPU's offline `LLM.generate` on the same token ids (prefill at each
+  length, decode at batch 1 and the compiled batch), after ours; else said skipped. The table gives ours
+  over each peer as a ratio of medians.
 Every figure is `--repeats` runs after a warm-up, ours and transformers alternated run by run (both see the
 same machine load); the JSON keeps every run and min / median / max; the median is the headline figure.
 
@@ -31,6 +35,9 @@ heads of 256, 16/16 GDN heads of 128, vocab 248320, tied embeddings).
     python benchmarks/bench_generate.py --write-checkpoint /tmp/ckpt   # then: peers/to_gguf.sh /tmp/ckpt q8_0
     python benchmarks/bench_generate.py --model /tmp/ckpt --dtype float32 --fp8 mlp linear \
         --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=...  # FP8 and llama.cpp side by side
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_generate.py --model /tmp/ckpt --decode-steps 64 \
+        --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=... \
+        --vllm-python $PEERS_DIR/vllm-venv/bin/python --vllm-env ../shared/peers/vllm_env.sh  # every peer
 
 Writes benchmarks/results/bench_generate.json and .png (or --output and its .png) and prints a table.
 """
@@ -44,7 +51,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,7 +58,20 @@ from pathlib import Path
 
 import torch
 import transformers
-from timing import alternate, fmt, machine, paired_ratios, rates, spread, wall
+from timing import (
+    VLLM_PYTHON_ENV,
+    VLLM_SETUP_ENV,
+    alternate,
+    command_line,
+    fmt,
+    machine,
+    paired_ratios,
+    portable,
+    rates,
+    run_vllm_script,
+    spread,
+    wall,
+)
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
@@ -337,7 +356,8 @@ def llama_bench(binary: str, label: str, gguf: str, args: argparse.Namespace) ->
     ]  # fmt: skip
     print(f"llama.cpp {label}: {' '.join(command)}", flush=True)
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    result: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "command": " ".join(command)}
+    print(out, flush=True)
+    result: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "command": portable(" ".join(command))}
     for test in json.loads(out):
         samples = spread(test["samples_ts"])
         if test["n_gen"] == 0:
@@ -364,6 +384,79 @@ def run_llama_cpp(args: argparse.Namespace) -> tuple[dict, dict]:
     return results, skipped
 
 
+VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+spec = json.load(open(sys.argv[1]))
+llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+          max_num_seqs=spec["batch_size"], enable_prefix_caching=False, enforce_eager=True,
+          disable_log_stats=False, seed=0)
+
+def generate(prompts, new_tokens):
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return outs, wall
+
+result = {"vllm": __import__("vllm").__version__, "prefill_s": {}, "decode_s": {}}
+for length, ids in spec["prefill"].items():
+    generate([ids], 1)  # warm-up
+    result["prefill_s"][length] = [generate([ids], 1)[1] for _ in range(spec["repeats"])]
+for rows, prompts in spec["decode"].items():
+    generate(prompts, spec["decode_steps"] + 1)  # warm-up
+    runs = []
+    for _ in range(spec["repeats"]):
+        outs, _ = generate(prompts, spec["decode_steps"] + 1)
+        first = max(o.metrics.first_token_ts for o in outs)
+        runs.append(max(o.metrics.last_token_ts for o in outs) - first)
+    result["decode_s"][rows] = runs
+print("VLLM_RESULT " + json.dumps(result))
+"""
+
+
+def run_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[dict, dict]:
+    """vLLM-CPU's offline `LLM.generate` on the token ids ours ran (results by system name, skipped)."""
+    if not args.vllm_python:
+        reason = f"skipped: no --vllm-python (nor ${VLLM_PYTHON_ENV}); ../shared/peers/ installs it"
+        return {}, {"vLLM": reason}
+    rows = sorted({1, args.batch_size})
+    spec = {
+        "model": checkpoint,
+        "dtype": args.dtype,
+        "max_model_len": max(4096, max(args.prompt_lengths) + args.decode_steps + 16),
+        "batch_size": args.batch_size,
+        "prefill": {str(n): prompts(n, 1, vocab)[0].tolist() for n in args.prompt_lengths},
+        "decode": {str(b): prompts(16, b, vocab).tolist() for b in rows},
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+    }
+    print(f"vLLM: {args.vllm_python} (environment: {args.vllm_env or 'as is'})", flush=True)
+    out = run_vllm_script(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
+    result = {
+        "prefill_tok_s": {n: rates(int(n), seconds) for n, seconds in out["prefill_s"].items()},
+        "decode_tok_s": {b: rates(int(b) * args.decode_steps, s) for b, s in out["decode_s"].items()},
+    }
+    print(f"vLLM {out['vllm']}: {json.dumps(result)}", flush=True)
+    return {f"vLLM-CPU {out['vllm']}": result}, {}
+
+
+def peer_ratios(results: dict, ours: str) -> dict:
+    """ours / each peer, as the ratio of the medians (peers run after ours, not alternated round by round)."""
+    ratios: dict = {}
+    for name, peer in results.items():
+        if name.startswith(("llama.cpp", "vLLM")):
+            for metric, cells in peer.items():
+                for key, cell in cells.items() if metric.endswith("tok_s") else ():
+                    label = f"{'prefill' if metric == 'prefill_tok_s' else 'decode batch'} {key}"
+                    ratios.setdefault(f"{ours} / {name}", {})[label] = (
+                        results[ours][metric][key]["median"] / cell["median"]
+                    )
+    return ratios
+
+
 def table(report: dict) -> str:
     results = report["results"]
     first = next(iter(results.values()))
@@ -383,6 +476,9 @@ def table(report: dict) -> str:
     for pair, ratios in report["speedup"].items():
         cells = [fmt(ratios[label], 2, "x") if label in ratios else "-" for *_, label in columns]
         lines.append(f"| speed-up {pair} (per round) | " + " | ".join(cells) + " |")
+    for pair, ratios in report["peer_ratios"].items():
+        cells = [f"{ratios[label]:.2f}x" if label in ratios else "-" for *_, label in columns]
+        lines.append(f"| {pair} (medians) | " + " | ".join(cells) + " |")
     for name, reason in report["skipped"].items():
         lines.append(f"| {name} | {reason} |" + " |" * (len(columns) - 1))
     return "\n".join(lines)
@@ -461,6 +557,14 @@ def main() -> None:
     parser.add_argument(
         "--gguf", action="append", default=[], metavar="LABEL=FILE", help="a GGUF of --model for llama-bench"
     )
+    parser.add_argument(
+        "--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV), help=f"vLLM's Python (${VLLM_PYTHON_ENV})"
+    )
+    parser.add_argument(
+        "--vllm-env",
+        default=os.environ.get(VLLM_SETUP_ENV),
+        help=f"a bash script sourced before vLLM starts, e.g. peers/vllm_env.sh (${VLLM_SETUP_ENV})",
+    )
     parser.add_argument("--write-checkpoint", type=Path, help="write the random checkpoint here and exit")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_generate.json")
     args = parser.parse_args()
@@ -498,12 +602,12 @@ def main() -> None:
         phases["benchmarks_s"] = time.perf_counter() - phase
         peers, skipped = run_llama_cpp(args)
         results.update(peers)
+        peers, vllm_skipped = run_vllm(checkpoint, ours.config.vocab_size, args)
+        results.update(peers)
+        skipped.update(vllm_skipped)
         parameters = sum(p.numel() for p in ours.model.parameters())
     report = {
-        "command": " ".join(
-            [f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"] * ("OMP_WAIT_POLICY" in os.environ)
-            + ["python", *sys.argv]
-        ),
+        "command": command_line(),
         "model": args.model or f"random Qwen3.6-shaped, {args.layers} layers",
         "parameters": parameters,
         "dtype": args.dtype,
@@ -530,6 +634,9 @@ def main() -> None:
             "llama.cpp": "llama-bench -p <prompt lengths> -n <decode steps> -t <threads> -r <repeats>, run "
             "right after ours (not alternated): pp = prompt tokens / s for one sequence (logits of the last "
             "token), tg = tokens / s generating from an empty context, one row",
+            "vLLM": "vllm.LLM (enforce_eager, prefix caching off, max_num_seqs = batch) on our token ids, "
+            "run after ours: prefill = prompt tokens / wall time of generate(max_tokens=1); decode = rows * "
+            "decode_steps / (last token time - first token time) with max_tokens = decode_steps + 1",
         },
         "export": export_report,
         "read_bandwidth_gb_s": bandwidth,
@@ -542,6 +649,7 @@ def main() -> None:
         "fp8_variants": fp8_report,
         "results": results,
         "speedup": speedup,
+        "peer_ratios": peer_ratios(results, f"optimum-qwen36 {args.backend}"),
         "skipped": skipped,
         "phase_seconds": {**phases, "total_s": time.perf_counter() - started},
     }

@@ -1,5 +1,7 @@
-"""Weight-streaming rate of one-row linear layers: ATen's `F.linear` against `matrix_vector_linear` (what the
-cpu backend's one-row decode graph runs, optimum_qwen36/exporters/matvec.py), both compiled by Inductor.
+"""Weight-streaming rate of decode-sized linear layers: ATen's `F.linear` against `matrix_vector_linear` (the
+cpu backend's one-row form for float32, optimum_qwen36/exporters/matvec.py) and, for bf16 where it is built
+with AVX-512 BF16, the native kernel `optimum_qwen36::bf16_linear` (what every bf16 decode graph runs), each
+compiled by Inductor.
 
 Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
 128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 663 MB in bf16, far more than the
@@ -19,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import alternate, fmt, machine, paired_ratios, rates, wall
+from timing import alternate, command_line, fmt, machine, paired_ratios, rates, wall
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear
+from optimum_qwen36.ops.native import bf16_linear_is_fast
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
@@ -41,13 +42,20 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([matrix_vector_linear(row, weight, None) for row in x.split(1)])
 
 
+def native_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.optimum_qwen36.bf16_linear(x, weight, None)
+
+
 def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     """GB/s of weights read by all of `weights` applied to `rows` rows, each way compiled as one graph (as in
-    the exported step graphs, whose linears are ATen matrix products or, in decode_row, one-row sums)."""
+    the exported step graphs, whose linears are ATen matrix products, one-row sums or the native kernel)."""
     inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
     total = sum(w.numel() * w.element_size() for w in weights)
+    ways = [("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)]
+    if weights[0].dtype == torch.bfloat16 and bf16_linear_is_fast():
+        ways.append(("bf16_linear", native_linear))
     measures = {}
-    for name, linear in (("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)):
+    for name, linear in ways:
 
         def apply_all(xs: list[torch.Tensor], ws: list[torch.Tensor], linear=linear) -> list[torch.Tensor]:
             return [linear(x, w) for x, w in zip(xs, ws, strict=True)]
@@ -56,7 +64,9 @@ def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dic
         measures[name] = wall(lambda graph=graph: graph(inputs, weights))
     runs = alternate(measures, repeats)
     result = {name: rates(total / 1e9, seconds) for name, seconds in runs.items()}
-    result["matrix_vector_over_F.linear"] = paired_ratios(runs["F.linear"], runs["matrix_vector_linear"])
+    for name in measures:
+        if name != "F.linear":
+            result[f"{name}_over_F.linear"] = paired_ratios(runs["F.linear"], runs[name])
     return result
 
 
@@ -85,10 +95,7 @@ def main() -> None:
     if not args.skip_output_projection:
         sets.append(("output projection", [torch.randn(248320, 1024).to(dtype)]))
     report: dict = {
-        "command": " ".join(
-            [f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"] * ("OMP_WAIT_POLICY" in os.environ)
-            + ["python", *sys.argv]
-        ),
+        "command": command_line(),
         "dtype": args.dtype,
         "machine": machine(),
         "repeats": args.repeats,
@@ -102,8 +109,10 @@ def main() -> None:
             report["gb_per_s"][f"{label}, {rows} row(s)"] = result
             print(
                 f"{label:24s} rows={rows}: "
-                + "  ".join(f"{k} {fmt(v)} GB/s" for k, v in result.items() if "_over_" not in k)
-                + f"  ratio {fmt(result['matrix_vector_over_F.linear'], 2, 'x')}",
+                + "  ".join(
+                    f"{k} {fmt(v, 2, 'x')}" if "_over_" in k else f"{k} {fmt(v)} GB/s"
+                    for k, v in result.items()
+                ),
                 flush=True,
             )
     args.output.parent.mkdir(parents=True, exist_ok=True)

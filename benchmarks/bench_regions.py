@@ -29,9 +29,14 @@ from timing import alternate, fmt, machine, paired_ratios, spread, wall
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import CompiledGraph, compile_method
-from optimum_qwen36.exporters.backends import example_step_args, graphs_to_compile, model_tensors
+from optimum_qwen36.exporters.backends import (
+    decode_linears_mode,
+    example_step_args,
+    graphs_to_compile,
+    model_tensors,
+)
 from optimum_qwen36.exporters.base import blocks_in_use
-from optimum_qwen36.exporters.matvec import MatrixVectorLinears
+from optimum_qwen36.ops.native import bf16_linear_is_fast
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHOD = {"prefill_chunk": "prefill_chunk", "decode_row": "decode_step", "decode_step": "decode_step"}
@@ -115,7 +120,7 @@ def main() -> None:
             examples[step],
             path,
             dynamic_shapes=whole_dynamic_shapes(step, examples[step]),
-            tracing_mode=MatrixVectorLinears() if step == "decode_row" else None,
+            tracing_mode=decode_linears_mode(step, bf16_linear_is_fast()),
         )
         whole_compile_s[step] = time.perf_counter() - start
         whole[step] = CompiledGraph(path, {**tensors, **constants})

@@ -1,15 +1,21 @@
 """Timing helpers shared by the benchmark scripts: repeated runs, the sides of a comparison alternated, and
 the spread (min / median / max, every run kept) that the JSON records. The median is the headline figure:
 on a shared machine the minimum is a lucky run and the maximum an unlucky one; both are kept beside it.
+Also how a peer (vLLM-CPU) is run in its own Python and environment.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -94,3 +100,43 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
 def fmt(summary: dict, digits: int = 1, unit: str = "") -> str:
     """'median (min-max)' of a spread() for the printed tables."""
     return f"{summary['median']:.{digits}f}{unit} ({summary['min']:.{digits}f}-{summary['max']:.{digits}f})"
+
+
+def portable(text: str) -> str:
+    """`text` with this user's home directory written as $HOME (commands recorded in the JSON)."""
+    return text.replace(str(Path.home()), "$HOME")
+
+
+def command_line() -> str:
+    """How this benchmark was started, with the OpenMP wait policy when one was set."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return portable(" ".join([f"OMP_WAIT_POLICY={policy}"] * bool(policy) + ["python", *sys.argv]))
+
+
+VLLM_PYTHON_ENV = "OPTIMUM_QWEN36_VLLM_PYTHON"
+VLLM_SETUP_ENV = "OPTIMUM_QWEN36_VLLM_ENV"
+
+
+def peer_command(program: list[str], setup_script: str | None) -> list[str]:
+    """`program` run by bash after sourcing `setup_script`, where one is given: a peer's environment (vLLM-CPU
+    needs an LD_PRELOAD and stub libraries) then reaches the peer's process only, not this benchmark's."""
+    if not setup_script:
+        return program
+    return ["bash", "-c", '. "$0" && exec "$@"', setup_script, *program]
+
+
+def run_vllm_script(script: str, spec: dict, python: str, setup_script: str | None) -> dict:
+    """Run `script` (which reads the JSON spec named by argv[1] and prints one line `VLLM_RESULT <json>`) with
+    the vLLM Python; the parsed result, or a RuntimeError with the end of its stderr."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        done = subprocess.run(
+            peer_command([python, "-c", script, f.name], setup_script), capture_output=True, text=True
+        )
+    finally:
+        os.unlink(f.name)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(line.removeprefix("VLLM_RESULT "))

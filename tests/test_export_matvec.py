@@ -1,4 +1,5 @@
-"""One-row decode graphs trace their linear layers as matrix-vector products (exporters/matvec.py)."""
+"""Decode graphs trace their linear layers as exporters/matvec.py says: the native bf16 kernel, or, on one
+row, matrix-vector products."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import AOTIBackend, example_step_args
-from optimum_qwen36.exporters.matvec import MatrixVectorLinears, matrix_vector_linear
+from optimum_qwen36.exporters.backends import AOTIBackend, decode_linears_mode, example_step_args
+from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear
+from optimum_qwen36.ops.native import bf16_linear_is_fast, load_native_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,10 +32,63 @@ def test_mode_rewrites_only_one_row_linears() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(16, 8)
     one, two = torch.randn(1, 1, 16), torch.randn(2, 1, 16)
-    with MatrixVectorLinears():
+    with DecodeLinears(native_bf16=False, static_rows=True):
         one_out, two_out = layer(one), layer(two)
     assert torch.equal(one_out, matrix_vector_linear(one, layer.weight, layer.bias))
     assert torch.equal(two_out, F.linear(two, layer.weight, layer.bias))
+
+
+needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU kernels cannot be built here")
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
+@pytest.mark.parametrize("features", [(70, 300), (33, 1024)])
+def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
+    """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows) and
+    feature counts that are and are not a multiple of the 32-value vectors: float32 accumulation rounded
+    once to bf16, so within one bf16 rounding of the float64 product of the same bf16 values."""
+    out_features, in_features = features
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    for b in (None, bias):
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = torch.ops.optimum_qwen36.bf16_linear(x.view(rows, 1, in_features), weight, b)
+        assert got.shape == (rows, 1, out_features) and got.dtype == torch.bfloat16
+        error = (got.view(rows, out_features).double() - exact).abs()
+        # one rounding to bf16 (2^-8 relative) plus float32 summation of the exact products
+        assert (error <= exact.abs() * 2**-8 + 1e-4 * exact.abs().max()).all()
+
+
+@needs_native
+def test_bf16_linear_of_a_non_contiguous_input() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=generator).bfloat16().t()  # [3, 64], strided
+    weight = torch.randn(10, 64, generator=generator).bfloat16()
+    expected = torch.ops.optimum_qwen36.bf16_linear(x.contiguous(), weight, None)
+    assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x, weight, None), expected)
+
+
+@pytest.mark.skipif(not bf16_linear_is_fast(), reason="no AVX-512 BF16 here: bf16 decode keeps F.linear")
+def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
+    """On a CPU with AVX-512 BF16, the batched bf16 decode step calls the kernel for every projection;
+    prefill keeps ATen's matrix product; a float32 model keeps F.linear in the batched step."""
+    checkpoint, _ = tiny_checkpoint()
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, dtype="bfloat16"
+    )
+    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    step = _MethodAsForward(model.model, "decode_step")
+    mode = decode_linears_mode("decode_step", native_bf16=True)
+    assert decode_linears_mode("prefill_chunk", native_bf16=True) is None
+    assert decode_linears_mode("decode_step", native_bf16=False) is None
+    with torch.no_grad(), mode:
+        program = torch.export.export(step, args, strict=False)
+    kernel = torch.ops.optimum_qwen36.bf16_linear.default
+    assert _linear_calls(program) == 0
+    assert sum(node.target is kernel for node in program.graph.nodes) > 4 * model.config.num_hidden_layers
 
 
 def _linear_calls(program: torch.export.ExportedProgram) -> int:
@@ -52,7 +107,7 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     step = _MethodAsForward(model.model, "decode_step")
     with torch.no_grad():
         plain = torch.export.export(step, args, strict=False)
-        with MatrixVectorLinears():
+        with DecodeLinears(native_bf16=False, static_rows=True):
             rows = torch.export.export(step, args, strict=False)
     assert _linear_calls(plain) > 4 * model.config.num_hidden_layers
     assert _linear_calls(rows) == 0

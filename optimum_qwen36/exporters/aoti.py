@@ -97,7 +97,7 @@ def compile_method(
 ) -> dict[str, torch.Tensor]:
     """Export `model.<method>(*example_args)` and compile it to `package_path` (.pt2). Shapes are static
     except where `dynamic_shapes` (one entry per argument, as for `torch.export`) says otherwise; the method
-    is traced within `tracing_mode` if one is given (e.g. `matvec.MatrixVectorLinears`).
+    is traced within `tracing_mode` if one is given (e.g. `matvec.DecodeLinears`).
 
     Returns the tensors the package expects to be bound at load (weights, buffers, lifted constants), by
     the model's own names. Raises CopyingMutationError if an input mutation would copy the whole input."""

@@ -27,19 +27,19 @@ from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from ..ops.fp8 import FP8_DTYPE
-from ..ops.native import load_native_ops
+from ..ops.native import bf16_linear_is_fast, load_native_ops
 from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, rows_blocks_in_use
 from .compile_cache import CompileCache, compile_key
-from .matvec import MatrixVectorLinears
+from .matvec import DecodeLinears
 from .regions import compile_step, load_step, step_files
 
 logger = logging.getLogger(__name__)
 
 COMPILED_DIR = "compiled"
-# The steps of the cpu/cuda backend. A one-row decode step has its own graphs: on cpu their linear layers are
-# traced as matrix-vector products (matvec.py), which stream the weights faster than the matrix-matrix
-# kernels decode_step (2..batch rows) keeps.
+# The steps of the cpu/cuda backend. A one-row decode step has its own graphs. On cpu the linear layers of
+# every step but prefill are traced as matvec.DecodeLinears says: the native bf16 kernel, or, on one row, a
+# matrix-vector product; both stream the weights faster than ATen's matrix-matrix kernels.
 STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_row", "verify_step", "mtp_row", "mtp_step")
 # With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps, for one
 # row and (with a batch above 1) for 2..batch rows.
@@ -145,8 +145,9 @@ class AOTIBackend:
         self.files_dir = files_dir
         extra_file = files_dir / EXTRA_CONSTANTS
         extra = load_file(extra_file, device=device) if extra_file.is_file() else {}
-        if self.name == "cpu" and any(t.dtype == FP8_DTYPE for t in model_tensors(model).values()):
-            load_native_ops()  # the graphs of FP8 linear layers call its custom op
+        dtypes = {t.dtype for t in model_tensors(model).values()}
+        if self.name == "cpu" and dtypes & {FP8_DTYPE, torch.bfloat16}:
+            load_native_ops()  # the graphs of FP8 and bf16 linear layers call its custom ops
         present = [step for step in STEPS if all((files_dir / f).is_file() for f in step_files(model, step))]
         if not {"prefill_chunk", "decode_row"} <= set(present):
             needed = ", ".join(
@@ -249,7 +250,7 @@ class AOTIBackend:
             try:
                 examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
-                _compile_graphs(model, graphs, staging, matrix_vector_rows=backend == "cpu")
+                _compile_graphs(model, graphs, staging, decode_linears=backend == "cpu")
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
                     shutil.rmtree(staging)
@@ -267,19 +268,32 @@ class AOTIBackend:
         return instance
 
 
+def decode_linears_mode(step: str, native_bf16: bool) -> DecodeLinears | None:
+    """How `step`'s linear layers are traced on cpu: every step but prefill_chunk calls the native bf16
+    kernel for bf16 weights when `native_bf16`; decode_row (the one graph whose shapes are all static: the
+    other one-row graphs take a dynamic number of positions) also writes its other linears as matrix-vector
+    products."""
+    if step == "decode_row":
+        return DecodeLinears(native_bf16, static_rows=True)
+    if native_bf16 and step != "prefill_chunk":
+        return DecodeLinears(native_bf16, static_rows=False)
+    return None
+
+
 def _compile_graphs(
     model: Qwen36ForCausalLM,
     graphs: dict[str, tuple[torch.Tensor, ...]],
     out_dir: Path,
-    matrix_vector_rows: bool,
+    decode_linears: bool,
 ) -> None:
-    """Compile the regions of each step (name -> example arguments) into out_dir; with matrix_vector_rows,
-    decode_row's linear layers are traced as matrix-vector products."""
+    """Compile the regions of each step (name -> example arguments) into out_dir; with decode_linears, the
+    linear layers of every step but prefill_chunk are traced as matvec.DecodeLinears says."""
     extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
+    native_bf16 = decode_linears and bf16_linear_is_fast()
     for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
         start = time.perf_counter()
-        mode = MatrixVectorLinears() if matrix_vector_rows and step == "decode_row" else None
+        mode = decode_linears_mode(step, native_bf16) if decode_linears else None
         extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
         logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
     if extra:

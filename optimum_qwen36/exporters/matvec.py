@@ -1,11 +1,15 @@
-"""Linear layers written as matrix-vector products while tracing a one-row graph (batch-1 decode on CPU).
+"""How the linear layers of the decode graphs are traced on CPU, where a decode step is bound by reading
+the weights.
 
-ATen runs a one-row bf16 `F.linear` through oneDNN's matrix-matrix kernels, which read the weight at 10-17
-GB/s on this project's 2-core machine. Written as a multiply-and-sum over the weight's rows, Inductor compiles
-it to one vectorised pass that streams the weight at 21-32 GB/s (float32 accumulation, as before;
-benchmarks/bench_matvec.py). A decode step reads every weight once, so its time follows that rate
-(docs/EXPORT.md, section 1c). The batched decode graph keeps `F.linear`: its row count is dynamic, and
-the reduction over a dynamic number of rows is compiled to read each weight once per row.
+bfloat16 weights, where the native kernel is built with AVX-512 BF16: `optimum_qwen36::bf16_linear` (any
+row count; it streams each weight once for up to 16 rows and hands more to ATen), which reads the weight
+at close to the memory's read bandwidth for one to eight rows, where ATen's bf16 `F.linear` reaches about
+half of it (benchmarks/bench_matvec.py).
+
+Otherwise, on one row (float32 weights, or bf16 where the kernel is not built), a multiply-and-sum over
+the weight's rows, which Inductor compiles to one vectorised pass over the weight, 1.4x ATen's one-row rate
+in float32 (float32 accumulation; docs/EXPORT.md, section 1c). More rows keep `F.linear`: a reduction over
+a dynamic number of rows is compiled to read each weight once per row.
 """
 
 from __future__ import annotations
@@ -25,12 +29,25 @@ def matrix_vector_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.to(x.dtype)
 
 
-class MatrixVectorLinears(TorchFunctionMode):
-    """Within this mode, `F.linear` (every `nn.Linear`) on one row is traced as `matrix_vector_linear`."""
+class DecodeLinears(TorchFunctionMode):
+    """Within this mode, `F.linear` (every `nn.Linear`) is traced as `optimum_qwen36::bf16_linear` for
+    bfloat16 weights when `native_bf16` (any row count), else, in a graph of static shapes (`static_rows`),
+    on one row as `matrix_vector_linear`. Dynamic row counts are never inspected (that would specialize
+    them)."""
+
+    def __init__(self, native_bf16: bool, static_rows: bool) -> None:
+        super().__init__()
+        self.native_bf16 = native_bf16
+        self.static_rows = static_rows
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and args[0].shape[:-1].numel() == 1:
-            x, weight, *rest = args
-            return matrix_vector_linear(x, weight, rest[0] if rest else kwargs.get("bias"))
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight, *rest = args
+        bias = rest[0] if rest else kwargs.get("bias")
+        if self.native_bf16 and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2:
+            return torch.ops.optimum_qwen36.bf16_linear(x, weight, bias)
+        if self.static_rows and x.shape[:-1].numel() == 1:
+            return matrix_vector_linear(x, weight, bias)
         return func(*args, **kwargs)

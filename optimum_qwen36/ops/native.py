@@ -18,9 +18,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "fp8_linear.cpp",)
-# AVX2 + FMA + F16C where the CPU has all three (the kernels' vector path), else portable scalar code.
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("fp8_linear.cpp", "bf16_linear.cpp"))
+# Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
+# code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
+BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 
 
 def cpu_flags() -> set[str]:
@@ -35,10 +37,20 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def _all_or_none(wanted: dict[str, str], flags: set[str]) -> list[str]:
+    return list(wanted.values()) if wanted.keys() <= flags else []
+
+
 def build_flags() -> list[str]:
+    """-fopenmp: ATen's parallel_for, inlined into the kernels, runs its loop on one thread without it."""
     flags = cpu_flags()
-    vector = [flag for name, flag in VECTOR_FLAGS.items() if name in flags]
-    return ["-O3", *(vector if len(vector) == len(VECTOR_FLAGS) else [])]
+    return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *_all_or_none(BF16_FLAGS, flags)]
+
+
+def bf16_linear_is_fast() -> bool:
+    """Whether `optimum_qwen36::bf16_linear` is built with its AVX-512 BF16 path here (the scalar fallback
+    is far slower than ATen's matrix product, so callers then keep F.linear)."""
+    return BF16_FLAGS["avx512_bf16"] in build_flags() and load_native_ops()
 
 
 def extension_name() -> str:
@@ -68,7 +80,7 @@ def load_native_ops() -> bool:
     except Exception as error:  # no compiler, no headers: fall back to the PyTorch twins
         logger.warning(
             "The native CPU kernels could not be built (%s: %s); FP8 linear layers run their PyTorch "
-            "twin, which computes the same values more slowly.",
+            "twin, which computes the same values more slowly, and bf16 decode steps ATen's F.linear.",
             type(error).__name__,
             str(error).splitlines()[0] if str(error) else "",
         )
@@ -82,4 +94,8 @@ def _register_fake_kernels() -> None:
 
     @torch.library.register_fake("optimum_qwen36::fp8_linear")
     def _(x, weight, scale_inv, block_rows, block_cols):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("optimum_qwen36::bf16_linear")
+    def _(x, weight, bias):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
