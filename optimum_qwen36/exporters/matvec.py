@@ -2,14 +2,13 @@
 the weights.
 
 bfloat16 weights, where the native kernel is built with AVX-512 BF16: `optimum_qwen36::bf16_linear` (any
-row count; it streams each weight once for up to 16 rows and hands more to ATen), which reads the weight
-at close to the memory's read bandwidth for one to eight rows, where ATen's bf16 `F.linear` reaches about
-half of it (benchmarks/bench_matvec.py).
+row count; it streams each weight once for up to 16 rows and hands more to ATen), which reads the weights
+faster than ATen's bf16 `F.linear` from one to eight rows (benchmarks/bench_matvec.py, docs/EXPORT.md 1c).
 
 Otherwise, on one row (float32 weights, or bf16 where the kernel is not built), a multiply-and-sum over
-the weight's rows, which Inductor compiles to one vectorised pass over the weight, 1.4x ATen's one-row rate
-in float32 (float32 accumulation; docs/EXPORT.md, section 1c). More rows keep `F.linear`: a reduction over
-a dynamic number of rows is compiled to read each weight once per row.
+the weight's rows (float32 accumulation), which Inductor compiles to one vectorised pass over the weight.
+More rows keep `F.linear`: a reduction over a dynamic number of rows is compiled to read each weight once
+per row.
 """
 
 from __future__ import annotations
