@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_checkpoint
-from timing import VLLM_PYTHON_ENV, VLLM_SETUP_ENV, fmt, machine, run_vllm_script, spread
+from timing import VLLM_PYTHON_ENV, add_vllm_arguments, fmt, machine, run_vllm_script, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
@@ -284,14 +283,7 @@ def main() -> None:
     parser.add_argument(
         "--compile-cache-dir", type=Path, help="reuse compilations across runs of this script"
     )
-    parser.add_argument(
-        "--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV), help=f"default ${VLLM_PYTHON_ENV}"
-    )
-    parser.add_argument(
-        "--vllm-env",
-        default=os.environ.get(VLLM_SETUP_ENV),
-        help=f"a bash script sourced before vLLM starts, e.g. peers/vllm_env.sh (default ${VLLM_SETUP_ENV})",
-    )
+    add_vllm_arguments(parser)
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_engine.json")
     args = parser.parse_args()
 

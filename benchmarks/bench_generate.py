@@ -33,10 +33,10 @@ heads of 256, 16/16 GDN heads of 128, vocab 248320, tied embeddings).
     python benchmarks/bench_generate.py --model PATH_OR_ID   # a real checkpoint
     python benchmarks/bench_generate.py --backend cuda       # on a GPU (.ci/device_check runs it)
     python benchmarks/bench_generate.py --write-checkpoint /tmp/ckpt   # then: peers/to_gguf.sh /tmp/ckpt q8_0
-    python benchmarks/bench_generate.py --model /tmp/ckpt --dtype float32 --fp8 mlp linear \
+    python benchmarks/bench_generate.py --model /tmp/ckpt --dtype float32 --fp8 mlp linear \\
         --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=...  # FP8 and llama.cpp side by side
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_generate.py --model /tmp/ckpt --decode-steps 64 \
-        --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=... \
+    python benchmarks/bench_generate.py --model /tmp/ckpt --decode-steps 64 --repeats 3 \\
+        --llama-bench "$BIN/llama-bench" --gguf bf16=... --gguf q8_0=... \\
         --vllm-python $PEERS_DIR/vllm-venv/bin/python --vllm-env ../shared/peers/vllm_env.sh  # every peer
 
 Writes benchmarks/results/bench_generate.json and .png (or --output and its .png) and prints a table.
@@ -60,7 +60,7 @@ import torch
 import transformers
 from timing import (
     VLLM_PYTHON_ENV,
-    VLLM_SETUP_ENV,
+    add_vllm_arguments,
     alternate,
     command_line,
     fmt,
@@ -557,14 +557,7 @@ def main() -> None:
     parser.add_argument(
         "--gguf", action="append", default=[], metavar="LABEL=FILE", help="a GGUF of --model for llama-bench"
     )
-    parser.add_argument(
-        "--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV), help=f"vLLM's Python (${VLLM_PYTHON_ENV})"
-    )
-    parser.add_argument(
-        "--vllm-env",
-        default=os.environ.get(VLLM_SETUP_ENV),
-        help=f"a bash script sourced before vLLM starts, e.g. peers/vllm_env.sh (${VLLM_SETUP_ENV})",
-    )
+    add_vllm_arguments(parser)
     parser.add_argument("--write-checkpoint", type=Path, help="write the random checkpoint here and exit")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_generate.json")
     args = parser.parse_args()

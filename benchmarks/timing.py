@@ -6,6 +6,7 @@ Also how a peer (vLLM-CPU) is run in its own Python and environment.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -115,6 +116,18 @@ def command_line() -> str:
 
 VLLM_PYTHON_ENV = "OPTIMUM_QWEN36_VLLM_PYTHON"
 VLLM_SETUP_ENV = "OPTIMUM_QWEN36_VLLM_ENV"
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """--vllm-python and --vllm-env, with their environment variables as defaults."""
+    parser.add_argument(
+        "--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV), help=f"vLLM's Python (${VLLM_PYTHON_ENV})"
+    )
+    parser.add_argument(
+        "--vllm-env",
+        default=os.environ.get(VLLM_SETUP_ENV),
+        help=f"a bash script sourced before vLLM starts, e.g. peers/vllm_env.sh (${VLLM_SETUP_ENV})",
+    )
 
 
 def peer_command(program: list[str], setup_script: str | None) -> list[str]:
