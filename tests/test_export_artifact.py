@@ -64,6 +64,22 @@ def test_other_versions_are_refused(saved: Path, key: str) -> None:
         artifact.verify_artifact(saved, "cpu", 1)
 
 
+def test_graphs_compiled_with_the_native_kernels_need_them_here(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs traced with the native kernels' custom ops cannot run where the kernels cannot be built: a
+    clear error at load, not an unknown operator at the first call. Artifacts from before the field load."""
+    _edit_manifest(saved, native_ops=True)
+    monkeypatch.setattr(artifact, "load_native_ops", lambda: False)
+    with pytest.raises(artifact.ArtifactVersionError, match="native CPU kernels"):
+        artifact.verify_artifact(saved, "cpu", 1)
+    path = saved / artifact.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    del manifest["environment"]["native_ops"]
+    path.write_text(json.dumps(manifest))
+    artifact.verify_artifact(saved, "cpu", 1)
+
+
 def test_a_neuron_artifact_is_refused_after_a_torch_neuronx_update(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..ops.native import cpu_flags
+from ..ops.native import cpu_flags, load_native_ops
 
 MANIFEST_NAME = "export_manifest.json"
 # 2: decode steps take each row's GDN state slot (format 1's graphs do not).
@@ -104,6 +104,8 @@ def environment(backend: str) -> dict[str, Any]:
     }
     if backend == "cpu":
         env["cpu_isa"] = cpu_isa()
+        # FP8 and bf16 linear layers are traced as calls of the native kernels where they could be built.
+        env["native_ops"] = load_native_ops()
     if backend == "cuda" and torch.cuda.is_available():
         env["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     if backend == "neuron":
@@ -208,6 +210,13 @@ def check_environment(manifest: dict[str, Any], backend: str, tp_degree: int) ->
         raise ArtifactISAError(
             f"The compiled CPU code was built for instructions this CPU lacks: {missing}. Re-export the "
             "model on this machine (or on one with the same or fewer CPU features)."
+        )
+    if built.get("native_ops") and not here.get("native_ops"):
+        raise ArtifactVersionError(
+            "The artifact was compiled where this package's native CPU kernels were built, so its graphs "
+            "may call them (optimum_qwen36::bf16_linear, optimum_qwen36::fp8_linear), and they could not be "
+            "built here (the warning above says why). Install a C++ compiler, or re-export the model here "
+            "(from_pretrained(checkpoint, export=True, ...)), which then traces PyTorch in their place."
         )
 
 

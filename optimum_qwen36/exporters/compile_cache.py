@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..ops.native import load_native_ops
 from .artifact import NATIVE_CODE_SUFFIXES, UntrustedCodeError, environment, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -92,8 +91,6 @@ def compile_key(model_config: Mapping[str, Any], neuron_config: Mapping[str, Any
         "neuron": {k: v for k, v in neuron_config.items() if k not in _NEURON_CONFIG_IGNORED},
         "environment": environment(backend),
         "graph_source": graph_source_digest(),
-        # FP8 and bf16 linear layers call the native kernels where they could be built, else trace PyTorch.
-        "native_ops": load_native_ops() if backend == "cpu" else None,
     }
     canonical = json.dumps(payload, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
