@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from collections import deque
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_checkpoint
-from timing import VLLM_PYTHON_ENV, add_vllm_arguments, fmt, machine, run_vllm_script, spread
+from timing import VLLM_PYTHON_ENV, add_vllm_arguments, command_line, fmt, machine, run_vllm_script, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
@@ -343,7 +342,7 @@ def main() -> None:
                     results[pattern][VLLM] = {"skipped": reason}
 
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "machine": machine(),
         "model": args.model or f"random {args.layers}-layer Qwen3.6-shaped model ({args.dtype})",
         "backend": args.backend,

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from gdn_reference import make_gdn_inputs, max_rel_error, reference_gated_delta_rule  # noqa: E402
-from timing import alternate, fmt, machine, paired_ratios, rates, spread, wall  # noqa: E402
+from timing import alternate, command_line, fmt, machine, paired_ratios, rates, spread, wall  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (  # noqa: E402
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -293,7 +293,7 @@ def profile_prefill(runs: int, seq_len: int = 4096, calls: int = 3, top: int = 1
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     gemm = rates(2 * 2048**3 / 1e9, alternate({"gemm": wall(lambda: a @ b)}, 5)["gemm"])
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "machine": machine(),
         "T": seq_len,
         "profile_runs": runs,
@@ -340,7 +340,7 @@ def main() -> None:
     strong = strong_decay_errors(min(1024, max(lengths)))
     exp2 = exp2_vs_exp(args.repeats)
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "machine": machine(),
         "shapes": {"batch": 1, **HEADS},
         "prefill": prefill,

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-from timing import fmt, machine, spread, wall
+from timing import command_line, fmt, machine, spread, wall
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,7 +50,7 @@ def main() -> None:
             print(f"{name:24s} {fmt(rates[name], 1, ' GFLOP/s')}", flush=True)
     torch.set_num_threads(all_threads)
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "machine": described,
         "size": args.size,
         "repeats": args.repeats,

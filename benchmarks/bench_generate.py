@@ -446,14 +446,13 @@ def run_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[dic
 def peer_ratios(results: dict, ours: str) -> dict:
     """ours / each peer, as the ratio of the medians (peers run after ours, not alternated round by round)."""
     ratios: dict = {}
-    for name, peer in results.items():
-        if name.startswith(("llama.cpp", "vLLM")):
-            for metric, cells in peer.items():
-                for key, cell in cells.items() if metric.endswith("tok_s") else ():
-                    label = f"{'prefill' if metric == 'prefill_tok_s' else 'decode batch'} {key}"
-                    ratios.setdefault(f"{ours} / {name}", {})[label] = (
-                        results[ours][metric][key]["median"] / cell["median"]
-                    )
+    peers = [name for name in results if name.startswith(("llama.cpp", "vLLM"))]
+    for name in peers:
+        for metric, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode batch")):
+            for key, cell in results[name][metric].items():
+                ratios.setdefault(f"{ours} / {name}", {})[f"{label} {key}"] = (
+                    results[ours][metric][key]["median"] / cell["median"]
+                )
     return ratios
 
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from timing import fmt, machine, spread
+from timing import command_line, fmt, machine, spread
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
@@ -164,7 +163,7 @@ def main() -> None:
             )
     largest = float(logits[0].abs().max())
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "machine": machine(),
         "prompt_tokens": args.length,
         "backend": args.backend,

@@ -43,7 +43,7 @@ from pathlib import Path
 import openai
 import torch
 from bench_generate import random_checkpoint
-from timing import fmt, machine, spread
+from timing import command_line, fmt, machine, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEER_ENV = "OPTIMUM_QWEN36_PEER_URL"
@@ -360,7 +360,7 @@ def main() -> None:
             per_run = [r[workload] for r in runs[name]]
             results[workload][name] = {key: spread([r[key] for r in per_run]) for key in per_run[0]}
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(),
         "machine": machine(),
         "model": args.model or f"random {args.layers}-layer Qwen3.6-shaped model ({args.dtype})",
         "servers": [OURS, args.peer_name],

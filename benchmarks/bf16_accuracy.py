@@ -41,7 +41,7 @@ from pattern_model import (  # noqa: E402
     pattern_prompts,
     train_pattern_checkpoint,
 )
-from timing import machine  # noqa: E402
+from timing import command_line, machine  # noqa: E402
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM  # noqa: E402
 
@@ -106,7 +106,7 @@ def main() -> None:
         for a, b in (("eager bf16", "transformers bf16"), ("transformers bf16", "transformers fp32"))
     }
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "machine": machine(),
         "settings": {**SETTINGS, "prompt_lengths": PROMPT_LENGTHS, "new_tokens": NEW_TOKENS},
         "deterministic": "one run: the training, the export and the generation are seeded",

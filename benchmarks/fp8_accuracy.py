@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from text_model import corpus, text_checkpoint  # noqa: E402
-from timing import machine  # noqa: E402
+from timing import command_line, machine  # noqa: E402
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> None:
         report = json.loads((checkpoint / "text_model.json").read_text())
     reference_probs = torch.softmax(reference[1], dim=-1)
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "machine": machine(),
         "model": {**report["settings"], "final_train_loss": report["final_loss"]},
         "settings": {

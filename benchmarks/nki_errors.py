@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from gdn_reference import make_gdn_inputs, max_rel_error, reference_gated_delta_rule  # noqa: E402
-from timing import machine  # noqa: E402
+from timing import command_line, machine  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule  # noqa: E402
 
 from optimum_qwen36.nki.interpreter import nki_modules  # noqa: E402
@@ -146,7 +146,7 @@ def main() -> None:
             flush=True,
         )
     result = {
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
         "nki": getattr(nki, "__name__", str(nki)),  # the interpreter's module unless the AWS nki is installed
         "machine": machine(),
         "shapes": {"batch": 1, "num_k_heads": HEADS[0], "num_v_heads": HEADS[1], "k_dim": 128, "v_dim": 128},
