@@ -104,7 +104,7 @@ def environment(backend: str) -> dict[str, Any]:
     }
     if backend == "cpu":
         env["cpu_isa"] = cpu_isa()
-        # FP8 and bf16 linear layers are traced as calls of the native kernels where they could be built.
+        # Attention, FP8 and bf16 linear layers are traced as calls of the native kernels where they build.
         env["native_ops"] = load_native_ops()
     if backend == "cuda" and torch.cuda.is_available():
         env["cuda_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
@@ -214,7 +214,7 @@ def check_environment(manifest: dict[str, Any], backend: str, tp_degree: int) ->
     if built.get("native_ops") and not here.get("native_ops"):
         raise ArtifactVersionError(
             "The artifact was compiled where this package's native CPU kernels were built, so its graphs "
-            "may call them (optimum_qwen36::bf16_linear, optimum_qwen36::fp8_linear), and they could not be "
+            "call them (optimum_qwen36::paged_attention, bf16_linear, fp8_linear), and they could not be "
             "built here (the warning above says why). Install a C++ compiler, or re-export the model here "
             "(from_pretrained(checkpoint, export=True, ...)), which then traces PyTorch in their place."
         )

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
-from ..ops.fp8 import FP8_DTYPE
+from ..ops.attention import paged_attention_native, paged_attention_torch
 from ..ops.native import bf16_linear_is_fast, load_native_ops
 from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, rows_blocks_in_use
@@ -145,9 +145,8 @@ class AOTIBackend:
         self.files_dir = files_dir
         extra_file = files_dir / EXTRA_CONSTANTS
         extra = load_file(extra_file, device=device) if extra_file.is_file() else {}
-        dtypes = {t.dtype for t in model_tensors(model).values()}
-        if self.name == "cpu" and dtypes & {FP8_DTYPE, torch.bfloat16}:
-            load_native_ops()  # the graphs of FP8 and bf16 linear layers call its custom ops
+        if self.name == "cpu":
+            load_native_ops()  # the graphs call its custom ops (attention; FP8 and bf16 linear layers)
         present = [step for step in STEPS if all((files_dir / f).is_file() for f in step_files(model, step))]
         if not {"prefill_chunk", "decode_row"} <= set(present):
             needed = ", ".join(
@@ -250,7 +249,7 @@ class AOTIBackend:
             try:
                 examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
-                _compile_graphs(model, graphs, staging, decode_linears=backend == "cpu")
+                _compile_graphs(model, graphs, staging, cpu_kernels=backend == "cpu")
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
                     shutil.rmtree(staging)
@@ -284,18 +283,24 @@ def _compile_graphs(
     model: Qwen36ForCausalLM,
     graphs: dict[str, tuple[torch.Tensor, ...]],
     out_dir: Path,
-    decode_linears: bool,
+    cpu_kernels: bool,
 ) -> None:
-    """Compile the regions of each step (name -> example arguments) into out_dir; with decode_linears, the
-    linear layers of every step but prefill_chunk are traced as matvec.DecodeLinears says."""
+    """Compile the regions of each step (name -> example arguments) into out_dir. With cpu_kernels, where
+    the native ops build: attention calls `optimum_qwen36::paged_attention`, and the linear layers of every
+    step but prefill_chunk are traced as matvec.DecodeLinears says."""
     extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
-    native_bf16 = decode_linears and bf16_linear_is_fast()
-    for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
-        start = time.perf_counter()
-        mode = decode_linears_mode(step, native_bf16) if decode_linears else None
-        extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
-        logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
+    native_bf16 = cpu_kernels and bf16_linear_is_fast()
+    if cpu_kernels and load_native_ops():
+        model.set_paged_attention(paged_attention_native)
+    try:
+        for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
+            start = time.perf_counter()
+            mode = decode_linears_mode(step, native_bf16) if cpu_kernels else None
+            extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
+            logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
+    finally:
+        model.set_paged_attention(paged_attention_torch)
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
     logger.info("Compiled %s in %.1f s", ", ".join(graphs), time.perf_counter() - total)

@@ -39,7 +39,7 @@ from .aoti import CompiledGraph, compile_method
 # The StepInputs fields each mixer reads (the others are None in its graph); decode steps have no
 # valid / num_valid.
 LAYER_FIELDS = {
-    "full_attention": ("cos", "sin", "write_slots", "block_tables", "attend", "key_cache", "value_cache"),
+    "full_attention": ("cos", "sin", "write_slots", "block_tables", "positions", "key_cache", "value_cache"),
     "linear_attention": ("slots", "valid", "num_valid", "conv_state", "recurrent_state"),
 }
 PREFILL_ONLY_FIELDS = ("valid", "num_valid")
@@ -281,10 +281,10 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
     """Dynamic dimensions of the region arguments, by StepInputs field ("hidden" too). Left dynamic:
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
-      compiled sequence_length (the mask's key axis is that width times the block size);
+      compiled sequence_length;
     - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row).
     An example size of 1 would be specialised: such a dimension stays static."""
-    max_blocks, block_size = inputs.block_tables.shape[1], inputs.key_cache.shape[2]
+    max_blocks = inputs.block_tables.shape[1]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
     batch = torch.export.Dim("batch", min=2, max=max_rows) if step in BATCHED_STEPS and max_rows > 2 else None
@@ -299,7 +299,7 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
         "sin": rows,
         "write_slots": rows,
         "block_tables": _dynamic({0: batch, 1: width}),
-        "attend": _dynamic({0: batch, 1: tokens, 2: None if width is None else width * block_size}),
+        "positions": rows,
         "key_cache": {1: blocks},
         "value_cache": {1: blocks},
         "slots": _dynamic({0: batch}),

@@ -37,6 +37,7 @@ from ..nki import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
+from ..ops.attention import PagedAttention, paged_attention_torch
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
@@ -50,18 +51,18 @@ class StepInputs:
     """What every layer of one step reads, built once per step by the entry point.
 
     Attention: rotary cos / sin [B, T, rot], the flat cache slot each new K/V goes to [B, T], the rows'
-    block tables [B, max_blocks] and the mask [B, T, S] of the keys each query sees. GDN: the state slot of
-    each row [B]; for a prefill chunk also which of its positions are real (`valid` [1, C]) and how many
-    (`num_valid`), None for a decode step. Then the four cache tensors, updated in place (an MTP step has
-    no GDN layer: no slots or GDN states). A verify step also has the speculative state tensors
-    [n_gdn_layers, slots, T, ...]: its GDN layers write the state after each position there instead of
-    the slot."""
+    block tables [B, max_blocks] and each query's position [B, T] (it sees the keys at 0..position). GDN:
+    the state slot of each row [B]; for a prefill chunk also which of its positions are real (`valid`
+    [1, C]) and how many (`num_valid`), None for a decode step. Then the four cache tensors, updated in
+    place (an MTP step has no GDN layer: no slots or GDN states). A verify step also has the speculative
+    state tensors [n_gdn_layers, slots, T, ...]: its GDN layers write the state after each position there
+    instead of the slot."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     write_slots: torch.Tensor
     block_tables: torch.Tensor
-    attend: torch.Tensor
+    positions: torch.Tensor
     slots: torch.Tensor | None
     valid: torch.Tensor | None
     num_valid: torch.Tensor | None
@@ -145,10 +146,12 @@ class Qwen36Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.paged_attention: PagedAttention = paged_attention_torch
 
     def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex) -> torch.Tensor:
         """hidden [B, T, hidden]. Writes this step's K/V into attention cache entry `cache_idx` at
-        `step.write_slots`, then attends over each row's blocks (`step.block_tables`, `step.attend`)."""
+        `step.write_slots`, then attends over each row's blocks (`step.block_tables`) up to each query's
+        position, by `self.paged_attention` (the PyTorch twin; backends may swap in a native kernel)."""
         cos, sin, write_slots, block_tables = step.cos, step.sin, step.write_slots, step.block_tables
         key_cache, value_cache = step.key_cache, step.value_cache
         batch, seq, _ = hidden.shape
@@ -168,19 +171,10 @@ class Qwen36Attention(nn.Module):
         )
         key_cache.index_put_(index, key)
         value_cache.index_put_(index, value)
-        # Gather each row's blocks into a contiguous [B, S, kv_heads, D] view of its sequence (one indexing
-        # of the whole cache: a tensor cache_idx must not copy out the layer's whole entry first).
-        keys = key_cache[cache_idx, block_tables].flatten(1, 2)
-        values = value_cache[cache_idx, block_tables].flatten(1, 2)
-        out = F.scaled_dot_product_attention(
-            query.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=step.attend.unsqueeze(1),
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+        out = self.paged_attention(
+            query, key_cache, value_cache, cache_idx, block_tables, step.positions, self.head_dim**-0.5
         )
-        out = out.transpose(1, 2).reshape(batch, seq, -1) * torch.sigmoid(gate.reshape(batch, seq, -1))
+        out = out.reshape(batch, seq, -1) * torch.sigmoid(gate.reshape(batch, seq, -1))
         return self.o_proj(out)
 
 
@@ -400,6 +394,12 @@ class Qwen36ForCausalLM(nn.Module):
         self.mtp = Qwen36MultiTokenPredictor(config, n_attention) if mtp else None
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
 
+    def set_paged_attention(self, kernel: PagedAttention) -> None:
+        """Make every attention layer (the MTP layer's too) attend with `kernel`."""
+        for module in self.modules():
+            if isinstance(module, Qwen36Attention):
+                module.paged_attention = kernel
+
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:
         """RoPE frequencies of the rotated dims. Text-only positions make Qwen3.5's interleaved mRoPE (three
@@ -430,12 +430,6 @@ class Qwen36ForCausalLM(nn.Module):
             valid, self._slots(positions.clamp(max=max_pos), block_tables, block_size), null_slots
         )
 
-    @staticmethod
-    def _attend(positions: torch.Tensor, width: int) -> torch.Tensor:
-        """Which of the `width` key positions each query [B, T] sees: causal, [B, T, width]."""
-        key_positions = torch.arange(width, device=positions.device)
-        return key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)
-
     def _row_positions(
         self, start: torch.Tensor, num_valid: torch.Tensor, tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -460,12 +454,11 @@ class Qwen36ForCausalLM(nn.Module):
         positions, valid = self._row_positions(start_pos.reshape(1), num_valid.reshape(1), input_ids.shape[1])
         block_tables = block_table.unsqueeze(0)
         write_slots = self._write_slots(positions, valid, block_tables, block_size)
-        attend = self._attend(positions, block_tables.shape[1] * block_size)
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
         step = StepInputs(
-            cos, sin, write_slots, block_tables, attend, slot.reshape(1), valid, num_valid,
+            cos, sin, write_slots, block_tables, positions, slot.reshape(1), valid, num_valid,
             key_cache, value_cache, conv_state, recurrent_state,
         )  # fmt: skip
         return hidden, step
@@ -485,12 +478,11 @@ class Qwen36ForCausalLM(nn.Module):
         block_size = key_cache.shape[2]
         positions = positions.unsqueeze(1)
         write_slots = self._slots(positions, block_tables, block_size)
-        attend = self._attend(positions, block_tables.shape[1] * block_size)
 
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
         step = StepInputs(
-            cos, sin, write_slots, block_tables, attend, slots, None, None,
+            cos, sin, write_slots, block_tables, positions, slots, None, None,
             key_cache, value_cache, conv_state, recurrent_state,
         )  # fmt: skip
         return hidden, step
@@ -686,7 +678,7 @@ class Qwen36ForCausalLM(nn.Module):
         cos, sin = self._rotary(positions, embeds.dtype)
         step = StepInputs(
             cos, sin, self._write_slots(positions, valid, block_tables, block_size), block_tables,
-            self._attend(positions, block_tables.shape[1] * block_size), slots, None, None,
+            positions, slots, None, None,
             key_cache, value_cache, *gdn_states,
         )  # fmt: skip
         return embeds, step

@@ -18,7 +18,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("fp8_linear.cpp", "bf16_linear.cpp"))
+KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
@@ -80,7 +81,8 @@ def load_native_ops() -> bool:
     except Exception as error:  # no compiler, no headers: fall back to the PyTorch twins
         logger.warning(
             "The native CPU kernels could not be built (%s: %s); FP8 linear layers run their PyTorch "
-            "twin, which computes the same values more slowly, and bf16 decode steps ATen's F.linear.",
+            "twin, which computes the same values more slowly, bf16 decode steps ATen's F.linear, and "
+            "attention reads the whole block table under a mask.",
             type(error).__name__,
             str(error).splitlines()[0] if str(error) else "",
         )
@@ -99,3 +101,7 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("optimum_qwen36::bf16_linear")
     def _(x, weight, bias):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("optimum_qwen36::paged_attention")
+    def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):
+        return torch.empty_like(query, memory_format=torch.contiguous_format)

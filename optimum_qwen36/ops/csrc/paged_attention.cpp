@@ -1,0 +1,307 @@
+// Causal attention of a step's queries over a paged KV cache, reading only the keys the queries can see.
+//
+// query [B, T, H, D]; key_cache / value_cache [L, num_blocks, block_size, KVH, D] (layer `layer`); row b's
+// keys are its blocks block_tables[b] in order; query t of row b sees keys 0..positions[b, t] (capped at
+// the row's capacity). The compiled graphs' own attention reads every block of the table under a mask, so
+// a prefill chunk early in a long table pays for the whole table; here a query block stops at its last
+// visible key.
+//
+// bfloat16 with AVX-512 BF16: flash attention per (row, KV head, block of query rows), the G = H / KVH
+// query heads sharing a KV head stacked as rows of one block. Keys and values are packed once per (row,
+// KV head) into pairs along the contracted dimension (the operand layout of vdpbf16ps), so Q K^T and P V are
+// both register-blocked products: 8 query rows x 32 columns per inner loop, bf16 products summed in
+// float32. Scores, the online softmax and the output accumulate in float32; P is rounded to bf16 for P V,
+// as every flash kernel does. Other dtypes and CPUs: the same visible keys gathered per row and handed to
+// ATen's scaled_dot_product_attention.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define QWEN36_BF16_AVX512 1
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// Keys each row of `positions` [B, T] needs: max position + 1, capped at the table's capacity.
+std::vector<int64_t> visible_keys(const at::Tensor& positions, int64_t capacity) {
+  const at::Tensor last = std::get<0>(positions.max(1)).to(at::kLong).contiguous();
+  std::vector<int64_t> n(last.numel());
+  for (int64_t b = 0; b < last.numel(); ++b) n[b] = std::clamp<int64_t>(last.data_ptr<int64_t>()[b] + 1, 1, capacity);
+  return n;
+}
+
+at::Tensor attention_aten(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
+  const int64_t batch = query.size(0), heads = query.size(2), kv_heads = key_cache.size(3);
+  const int64_t block_size = key_cache.size(2);
+  const std::vector<int64_t> keys = visible_keys(positions, block_tables.size(1) * block_size);
+  const at::Tensor layer_keys = key_cache.select(0, layer), layer_values = value_cache.select(0, layer);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = keys[b];
+    const at::Tensor blocks = block_tables[b].slice(0, 0, (n + block_size - 1) / block_size).to(at::kLong);
+    const auto gather = [&](const at::Tensor& cache) {  // [1, KVH, n, D]
+      return cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, n).transpose(0, 1).unsqueeze(0);
+    };
+    const at::Tensor mask = at::arange(n, positions.options()).unsqueeze(0) <= positions[b].unsqueeze(1);
+    const at::Tensor o = at::scaled_dot_product_attention(
+        query[b].transpose(0, 1).unsqueeze(0), gather(layer_keys), gather(layer_values), mask, 0.0, false, scale,
+        heads != kv_heads);
+    out[b].copy_(o.squeeze(0).transpose(0, 1));
+  }
+  return out;
+}
+
+#ifdef QWEN36_BF16_AVX512
+
+constexpr int64_t kKeyTile = 32;    // keys per packed key tile: the columns of one Q K^T micro-kernel
+constexpr int64_t kKeyBlock = 128;  // keys per online-softmax step
+constexpr int64_t kRowBlock = 64;   // query rows (tokens x the heads of one KV head) per work item
+constexpr int kMicroRows = 8;
+
+// exp(x) for x <= 0 (Cody-Waite reduction, degree-7 Taylor on |r| <= ln2/2: relative error < 1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// c[r][0..32) = (accumulate ? c[r] : 0) + sum over pairs p of a[r][p] . b[p * ldb + 0..32), R rows: a[r] holds
+// bf16 pairs (as uint32), b the packed pairs of 32 columns.
+template <int R>
+inline void micro_kernel(const uint32_t* const* a, const uint32_t* b, int64_t ldb, int64_t pairs, float* c,
+                         int64_t ldc, bool accumulate) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    lo[r] = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+    hi[r] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b_lo = (__m512bh)_mm512_loadu_si512(b + p * ldb);
+    const __m512bh b_hi = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r][p]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], av, b_lo);
+      hi[r] = _mm512_dpbf16_ps(hi[r], av, b_hi);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, lo[r]);
+    _mm512_storeu_ps(c + r * ldc + 16, hi[r]);
+  }
+}
+
+template <int R>
+void micro_kernel_rows(int rows, const uint32_t* const* a, const uint32_t* b, int64_t ldb, int64_t pairs, float* c,
+                       int64_t ldc, bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_kernel_rows<R - 1>(rows, a, b, ldb, pairs, c, ldc, accumulate);
+  }
+  micro_kernel<R>(a, b, ldb, pairs, c, ldc, accumulate);
+}
+
+// c [rows, cols] (row stride ldc) (+)= a . b over `pairs` pairs: a row r's pairs at a[r]; b packed with
+// row stride ldb, its 32-column groups `group_stride` apart (cols a multiple of 32).
+void product(int64_t rows, int64_t cols, const uint32_t* const* a, const uint32_t* b, int64_t ldb,
+             int64_t group_stride, int64_t pairs, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t col = 0; col < cols; col += 32)
+    for (int64_t r = 0; r < rows; r += kMicroRows)
+      micro_kernel_rows<kMicroRows>(int(std::min<int64_t>(kMicroRows, rows - r)), a + r, b + (col / 32) * group_stride,
+                                    ldb, pairs, c + r * ldc + col, ldc, accumulate);
+}
+
+inline uint32_t bf16_bits(const bf16& x) { return x.x; }
+
+struct PackedKV {
+  // keys: per tile of 32 keys, [D / 2][32] pairs (key_tiles x D/2 x 32); values: [n_pad / 2][D] pairs.
+  std::vector<uint32_t> keys, values;
+};
+
+// Row b's first n keys and values of KV head kh, packed; keys past n are zeros (masked, never NaN).
+void pack(const bf16* key_cache, const bf16* value_cache, const int64_t* table, int64_t n, int64_t n_pad,
+          int64_t block_size, int64_t kv_heads, int64_t kh, int64_t dim, int64_t layer_offset, PackedKV& out) {
+  const int64_t pairs = dim / 2;
+  out.keys.assign(n_pad * pairs, 0);
+  out.values.assign(n_pad / 2 * dim, 0);
+  const auto row = [&](const bf16* cache, int64_t j) {
+    return cache + layer_offset + ((table[j / block_size] * block_size + j % block_size) * kv_heads + kh) * dim;
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(row(key_cache, j));
+    uint32_t* tile = out.keys.data() + (j / kKeyTile) * pairs * kKeyTile + j % kKeyTile;
+    for (int64_t p = 0; p < pairs; ++p) tile[p * kKeyTile] = k[p];
+    const bf16* v = row(value_cache, j);
+    uint32_t* dst = out.values.data() + (j / 2) * dim;
+    const int shift = (j % 2) * 16;
+    for (int64_t d = 0; d < dim; ++d) dst[d] |= bf16_bits(v[d]) << shift;
+  }
+}
+
+struct Block {  // one work item: row b, KV head kh, query tokens [t0, t0 + tokens)
+  int64_t b, kh, t0, tokens;
+};
+
+void attend_block(const Block& blk, const bf16* query, const int64_t* positions, const PackedKV& kv, int64_t n,
+                  int64_t seq, int64_t heads, int64_t group, int64_t dim, float scale, bf16* out) {
+  const int64_t rows = blk.tokens * group, pairs = dim / 2;
+  std::vector<const uint32_t*> q_rows(rows), p_rows(rows);
+  std::vector<int64_t> limit(rows);  // keys row r sees: [0, limit)
+  int64_t last = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
+    q_rows[r] = reinterpret_cast<const uint32_t*>(query + ((blk.b * seq + t) * heads + h) * dim);
+    limit[r] = std::clamp<int64_t>(positions[blk.b * seq + t] + 1, 1, n);
+    last = std::max(last, limit[r]);
+  }
+  std::vector<float> scores(rows * kKeyBlock), acc(rows * dim, 0.0f), row_max(rows, -INFINITY), row_sum(rows, 0.0f);
+  std::vector<bf16> probs(rows * kKeyBlock);
+  for (int64_t r = 0; r < rows; ++r) p_rows[r] = reinterpret_cast<const uint32_t*>(probs.data() + r * kKeyBlock);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
+    const int64_t cols = std::min<int64_t>(kKeyBlock, (last - j0 + kKeyTile - 1) / kKeyTile * kKeyTile);
+    product(rows, cols, q_rows.data(), kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile, pairs,
+            scores.data(), kKeyBlock, false);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores.data() + r * kKeyBlock;
+      const int64_t visible = std::clamp<int64_t>(limit[r] - j0, 0, cols);
+      __m512 block_max = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < cols; j += 16) {
+        const __mmask16 keep = visible - j >= 16 ? __mmask16(0xFFFF)
+                               : visible > j     ? __mmask16((1u << (visible - j)) - 1)
+                                                 : __mmask16(0);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, _mm512_loadu_ps(s + j), scale_v);
+        _mm512_storeu_ps(s + j, x);
+        block_max = _mm512_max_ps(block_max, x);
+      }
+      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(block_max));
+      const float correction = std::exp(row_max[r] - new_max);  // 0 on the first block (-inf)
+      row_max[r] = new_max;
+      const __m512 max_v = _mm512_set1_ps(new_max);
+      __m512 sum = _mm512_setzero_ps();
+      bf16* p = probs.data() + r * kKeyBlock;
+      for (int64_t j = 0; j < cols; j += 32) {
+        // masked scores are -inf, which exp_nonpositive clamps to e^-87: zero them exactly
+        const __m512 s_lo = _mm512_loadu_ps(s + j), s_hi = _mm512_loadu_ps(s + j + 16);
+        const __mmask16 live_lo = _mm512_cmp_ps_mask(s_lo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __mmask16 live_hi = _mm512_cmp_ps_mask(s_hi, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 e_lo = _mm512_maskz_mov_ps(live_lo, exp_nonpositive(_mm512_sub_ps(s_lo, max_v)));
+        const __m512 e_hi = _mm512_maskz_mov_ps(live_hi, exp_nonpositive(_mm512_sub_ps(s_hi, max_v)));
+        // P as bf16 (round to nearest even); the sum is of the rounded values, as P V uses them
+        const __m512bh packed = _mm512_cvtne2ps_pbh(e_hi, e_lo);
+        _mm512_storeu_si512(p + j, (__m512i)packed);
+        const __m512i bits = (__m512i)packed;
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF0000))));
+      }
+      row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(sum);
+      if (correction != 1.0f) {
+        float* o = acc.data() + r * dim;
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), c));
+      }
+    }
+    // acc += P V over this block's keys (pairs of keys): values packed [n_pad / 2][D]
+    product(rows, dim, p_rows.data(), kv.values.data() + (j0 / 2) * dim, dim, 32, cols / 2, acc.data(), dim, true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
+    bf16* o = out + ((blk.b * seq + t) * heads + h) * dim;
+    const float inv = 1.0f / row_sum[r];
+    for (int64_t d = 0; d < dim; ++d) o[d] = bf16(acc[r * dim + d] * inv);
+  }
+}
+
+at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
+  const int64_t batch = query.size(0), seq = query.size(1), heads = query.size(2), dim = query.size(3);
+  const int64_t num_blocks = key_cache.size(1), block_size = key_cache.size(2), kv_heads = key_cache.size(3);
+  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  const std::vector<int64_t> keys = visible_keys(positions, max_blocks * block_size);
+  const at::Tensor q = query.contiguous(), kc = key_cache.contiguous(), vc = value_cache.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+  const int64_t layer_offset = layer * num_blocks * block_size * kv_heads * dim;
+  const auto* k_ptr = reinterpret_cast<const bf16*>(kc.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const bf16*>(vc.data_ptr());
+
+  std::vector<PackedKV> packed(batch * kv_heads);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, n = keys[b];
+      pack(k_ptr, v_ptr, tables.data_ptr<int64_t>() + b * max_blocks, n, (n + kKeyTile - 1) / kKeyTile * kKeyTile,
+           block_size, kv_heads, i % kv_heads, dim, layer_offset, packed[i]);
+    }
+  });
+
+  const int64_t tokens_per_block = std::max<int64_t>(1, kRowBlock / group);
+  std::vector<Block> blocks;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t0 = 0; t0 < seq; t0 += tokens_per_block)
+      for (int64_t kh = 0; kh < kv_heads; ++kh) blocks.push_back({b, kh, t0, std::min(tokens_per_block, seq - t0)});
+  at::Tensor out = at::empty_like(q);
+  auto* out_ptr = reinterpret_cast<bf16*>(out.data_ptr());
+  const auto* q_ptr = reinterpret_cast<const bf16*>(q.data_ptr());
+  // Round-robin over threads: causal blocks grow with t0, so contiguous ranges would be unbalanced.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(blocks.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (size_t i = thread; i < blocks.size(); i += threads) {
+        const Block& blk = blocks[i];
+        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), packed[blk.b * kv_heads + blk.kh], keys[blk.b], seq, heads,
+                     group, dim, float(scale), out_ptr);
+      }
+  });
+  return out;
+}
+
+#endif  // QWEN36_BF16_AVX512
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& cache_idx, const at::Tensor& block_tables, const at::Tensor& positions,
+                           double scale) {
+  TORCH_CHECK(query.dim() == 4 && key_cache.dim() == 5 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention: query [B, T, H, D] and caches [L, blocks, block_size, KVH, D] expected");
+  TORCH_CHECK(query.size(3) == key_cache.size(4) && query.size(2) % key_cache.size(3) == 0,
+              "paged_attention: query heads must be a multiple of the cache's KV heads, with the same head size");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && positions.sizes() == query.sizes().slice(0, 2),
+              "paged_attention: block_tables [B, max_blocks] and positions [B, T] must match the query");
+  TORCH_CHECK(cache_idx.numel() == 1, "paged_attention: cache_idx must hold one layer index");
+  const int64_t layer = cache_idx.item<int64_t>();
+#ifdef QWEN36_BF16_AVX512
+  if (query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 && query.size(3) % 32 == 0)
+    return attention_bf16(query, key_cache, value_cache, layer, block_tables, positions, scale);
+#endif
+  return attention_aten(query, key_cache, value_cache, layer, block_tables, positions, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_idx, Tensor block_tables, "
+      "Tensor positions, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
