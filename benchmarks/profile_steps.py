@@ -93,10 +93,12 @@ def category(name: str, region: str | None) -> str:
     return "gdn" if region == "linear_attention" else "attention"
 
 
-def breakdown(prof: profile, wall_s: float) -> dict[str, float]:
+def breakdown(prof: profile, wall_s: float, top: int) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Seconds per category: each event's self time goes to the category of its innermost region (the
-    scopes' own self time is their overhead: the graph runner's); what no event covers is `rest`."""
+    scopes' own self time is their overhead: the graph runner's); what no event covers is `rest`. Also the
+    `top` events of each category by self time (ms, summed over calls)."""
     totals: dict[str, float] = defaultdict(float)
+    by_name: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for event in prof.events():
         region, parent = None, event
         while parent is not None:
@@ -104,24 +106,33 @@ def breakdown(prof: profile, wall_s: float) -> dict[str, float]:
                 region = parent.name.removeprefix("region:")
                 break
             parent = parent.cpu_parent
-        totals[category(event.name, region)] += event.self_cpu_time_total / 1e6
+        kind = category(event.name, region)
+        totals[kind] += event.self_cpu_time_total / 1e6
+        by_name[kind][event.name] += event.self_cpu_time_total / 1e3
     covered = sum(v for k, v in totals.items() if k != "rest")
     totals["rest"] = max(0.0, wall_s - covered)
-    return dict(totals)
+    top_events = {
+        kind: dict(sorted(names.items(), key=lambda item: -item[1])[:top]) for kind, names in by_name.items()
+    }
+    return dict(totals), top_events
 
 
-def profiled_runs(run, repeats: int) -> dict:
+def profiled_runs(run, repeats: int, top: int) -> dict:
+    """Medians over `repeats` profiled runs (ms), each run's seconds, and the top events of the median run."""
     run()  # warm-up
-    runs = []
+    runs, tops = [], []
     for _ in range(repeats):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             run()
             wall_s = time.perf_counter() - start
-        runs.append({"wall_s": wall_s, **breakdown(prof, wall_s)})
+        totals, top_events = breakdown(prof, wall_s, top)
+        runs.append({"wall_s": wall_s, **totals})
+        tops.append(top_events)
+    median_run = sorted(range(repeats), key=lambda i: runs[i]["wall_s"])[repeats // 2]
     return {
         key: statistics.median(r.get(key, 0.0) for r in runs) * 1e3 for key in ("wall_s", *CATEGORIES)
-    } | {"runs_s": runs}
+    } | {"runs_s": runs, "top_events_ms": tops[median_run]}
 
 
 def main() -> None:
@@ -136,6 +147,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top", type=int, default=6, help="events listed per category (prefill; default 6)")
     parser.add_argument("--output", type=Path, default=RESULTS / "profile_steps.json")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -170,12 +182,12 @@ def main() -> None:
             for name, work in workloads.items():
                 if isinstance(work, tuple):
                     run, ids = work
-                    full = profiled_runs(run, args.repeats)
-                    base = profiled_runs(lambda ids=ids: generate(ids, 1), args.repeats)
+                    full = profiled_runs(run, args.repeats, args.top)
+                    base = profiled_runs(lambda ids=ids: generate(ids, 1), args.repeats, args.top)
                     per_step = {k: (full[k] - base[k]) / args.decode_steps for k in ("wall_s", *CATEGORIES)}
                     results[name] = {"unit": "ms per decode step", **per_step, "runs": [full, base]}
                 else:
-                    results[name] = {"unit": "ms per prefill", **profiled_runs(work, args.repeats)}
+                    results[name] = {"unit": "ms per prefill", **profiled_runs(work, args.repeats, args.top)}
                 cells = ", ".join(f"{k} {results[name][k]:.1f}" for k in CATEGORIES)
                 print(f"{name}: {results[name]['wall_s']:.1f} ms ({cells})", flush=True)
     report = {
@@ -205,6 +217,11 @@ def main() -> None:
             + " | ".join(f"{r[k]:.1f}" for k in CATEGORIES)
             + " |"
         )
+    for name, r in results.items():
+        if "top_events_ms" in r:
+            print(f"{name}, top events (ms per prefill):")
+            for kind, events in r["top_events_ms"].items():
+                print(f"  {kind}: " + "; ".join(f"{event} {ms:.1f}" for event, ms in events.items()))
     print(f"wrote {args.output}")
 
 

@@ -11,6 +11,7 @@ from optimum_qwen36.exporters.aoti import _MethodAsForward
 from optimum_qwen36.exporters.backends import example_step_args
 from optimum_qwen36.modeling.qwen36 import Qwen36Attention
 from optimum_qwen36.ops.attention import paged_attention_native, paged_attention_torch
+from optimum_qwen36.ops.gdn_decode import gdn_decode_step_native, gdn_decode_step_torch
 from optimum_qwen36.ops.native import load_native_ops
 
 needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU kernels cannot be built here")
@@ -27,7 +28,8 @@ def _case(
     shape = (3, num_blocks, block_size, kv_heads, dim)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
-    block_tables = (torch.randperm(num_blocks - 1, generator=generator)[: batch * max_blocks] + 1).view(batch, -1)
+    pool = torch.randperm(num_blocks - 1, generator=generator) + 1
+    block_tables = pool[: batch * max_blocks].view(batch, -1)
     query = (3 * torch.randn(batch, tokens, heads, dim, generator=generator)).to(dtype)
     positions = torch.tensor(starts).view(batch, 1) + torch.arange(tokens)
     return query, key_cache, value_cache, 1, block_tables, positions, dim**-0.5
@@ -63,7 +65,8 @@ def test_bf16_native_is_as_close_to_float32_as_the_twin(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_float32_native_equals_twin(case: str) -> None:
     args = _case(*CASES[case], dtype=torch.float32)
-    torch.testing.assert_close(paged_attention_native(*args), paged_attention_torch(*args), atol=1e-5, rtol=1e-5)
+    expected = paged_attention_torch(*args)
+    torch.testing.assert_close(paged_attention_native(*args), expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -100,12 +103,12 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
     assert attention and all(m.paged_attention is paged_attention_torch for m in attention)
 
     args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
-    model.model.set_paged_attention(paged_attention_native)
+    model.model.set_kernels(paged_attention_native, gdn_decode_step_native)
     try:
         with torch.no_grad():
             program = torch.export.export(_MethodAsForward(model.model, "prefill_chunk"), args, strict=False)
     finally:
-        model.model.set_paged_attention(paged_attention_torch)
+        model.model.set_kernels(paged_attention_torch, gdn_decode_step_torch)
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)
     assert calls == len(attention)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -67,9 +68,25 @@ class BakedInTensorError(ValueError):
     """A compiled graph holds the values of some of its weights instead of taking them at load."""
 
 
+def _custom_op_written_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor a mutating custom op (e.g. optimum_qwen36::gdn_decode_step) writes whole, if `node` is its
+    new value: auto_functionalized_v2's outputs are the op's returns, then one per mutated base. A mutated
+    view carries _<arg>_size / _stride / _storage_offset and is not a whole-tensor write."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    functional, index = node.args
+    if getattr(functional, "target", None) is not torch.ops.higher_order.auto_functionalized_v2:
+        return None
+    if any(key.endswith(("_size", "_stride", "_storage_offset")) for key in functional.kwargs):
+        return None
+    base = index - len(functional.args[0]._schema.returns)
+    return functional.kwargs["_all_bases"][base] if base >= 0 else None
+
+
 def copied_mutations(program: torch.export.ExportedProgram) -> dict[int, str]:
-    """Positions of the mutated user inputs whose update is not a chain of whole-tensor `index_put`s, with
-    the op producing their new value. Those are written back by copying (Inductor re-inplaces index_put)."""
+    """Positions of the mutated user inputs whose update is not a chain of whole-tensor writes (index_put,
+    a mutating custom op on the whole tensor), with the op producing their new value. Those are written back
+    by copying (Inductor re-inplaces the others)."""
     functional = program.run_decompositions({})
     placeholders = {node.name: node for node in functional.graph.nodes if node.op == "placeholder"}
     signature = functional.graph_signature
@@ -77,8 +94,13 @@ def copied_mutations(program: torch.export.ExportedProgram) -> dict[int, str]:
     positions = {name: i for i, name in enumerate(signature.user_inputs)}
     for output_name, input_name in signature.user_inputs_to_mutate.items():
         node = next(n for n in functional.graph.nodes if n.name == output_name)
-        while node.op == "call_function" and node.target in _INPLACE_WRITE_OPS:
-            node = node.args[0]
+        while True:
+            if node.op == "call_function" and node.target in _INPLACE_WRITE_OPS:
+                node = node.args[0]
+            elif (base := _custom_op_written_base(node)) is not None:
+                node = base
+            else:
+                break
         if node is not placeholders.get(input_name):
             offenders[positions[input_name]] = str(node.target)
     return offenders
@@ -114,7 +136,10 @@ def compile_method(
     offenders = copied_mutations(program)
     if offenders and not allow_copying_mutations:
         params = list(inspect.signature(getattr(model, method)).parameters)
-        names = ", ".join(f"{params[i]} (written by {op})" for i, op in sorted(offenders.items()))
+        names = ", ".join(
+            f"{params[i] if i < len(params) else f'input {i}'} (written by {op})"
+            for i, op in sorted(offenders.items())
+        )
         raise CopyingMutationError(
             f"{type(model).__name__}.{method} mutates inputs through views: {names}. The compiled graph "
             "would copy each of them whole on every call. Write cache updates as one index_put_ on the "

@@ -38,6 +38,7 @@ from ..nki import (
     fused_recurrent_gated_delta_rule,
 )
 from ..ops.attention import PagedAttention, paged_attention_torch
+from ..ops.gdn_decode import GDNDecodeStep, gdn_decode_step_torch
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
@@ -202,6 +203,8 @@ class Qwen36GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        # A decode step of the delta rule on the cache's states, in place (backends may swap in a native op).
+        self.recurrent_step: GDNDecodeStep = gdn_decode_step_torch
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
@@ -227,22 +230,22 @@ class Qwen36GatedDeltaNet(nn.Module):
         """hidden [B, T, hidden]: a prefill chunk (B = 1) or a decode step (T = 1). Reads the states of the
         rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
         conv_state = step.conv_state[cache_idx, step.slots]
-        recurrent_state = step.recurrent_state[cache_idx, step.slots]
         index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
-        if step.spec_recurrent_state is not None:
-            out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
-            step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
-            step.spec_recurrent_state.index_put_(index, recurrent_states)
-            return out
-        if step.valid is None:
-            out, new_conv, new_recurrent = self.decode(hidden, conv_state, recurrent_state)
+        if step.valid is None and step.spec_recurrent_state is None:
+            out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
         else:
+            recurrent_state = step.recurrent_state[cache_idx, step.slots]
+            if step.spec_recurrent_state is not None:
+                out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
+                step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
+                step.spec_recurrent_state.index_put_(index, recurrent_states)
+                return out
             out, new_conv, new_recurrent = self.prefill(
                 hidden, step.valid, step.num_valid, conv_state, recurrent_state
             )
-        # One index_put_ on each whole state tensor: compiled backends update it in place only in this form.
+            # One index_put_ on the whole state tensor: compiled backends update it in place only so.
+            step.recurrent_state.index_put_(index, new_recurrent)
         step.conv_state.index_put_(index, new_conv.to(step.conv_state.dtype))
-        step.recurrent_state.index_put_(index, new_recurrent)
         return out
 
     def prefill(
@@ -275,19 +278,25 @@ class Qwen36GatedDeltaNet(nn.Module):
         return self._output(core, z), new_conv_state, new_recurrent_state
 
     def decode(
-        self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [B, 1, hidden], the states of the rows' slots. Returns the output and the new states."""
+        self,
+        hidden: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        cache_idx: CacheIndex,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, 1, hidden], the conv states of the rows' slots, the cache's recurrent state tensor.
+        Returns the output and the new conv states; the rows' recurrent states are updated in place."""
         mixed, z, beta, g = self._project(hidden)
         mixed, new_conv_state = causal_conv1d_update(
             mixed, conv_state, self.conv1d.weight.squeeze(1), activation="silu"
         )
         query, key, value = self._split_heads(mixed.transpose(1, 2))
-        core, new_recurrent_state = fused_recurrent_gated_delta_rule(
-            query, key, value, g, beta,
-            initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        core = self.recurrent_step(
+            query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0], recurrent_state, cache_idx, slots,
+            self.head_k_dim**-0.5,
         )  # fmt: skip
-        return self._output(core, z), new_conv_state, new_recurrent_state
+        return self._output(core.unsqueeze(1), z), new_conv_state
 
     def verify(
         self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
@@ -394,11 +403,14 @@ class Qwen36ForCausalLM(nn.Module):
         self.mtp = Qwen36MultiTokenPredictor(config, n_attention) if mtp else None
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
 
-    def set_paged_attention(self, kernel: PagedAttention) -> None:
-        """Make every attention layer (the MTP layer's too) attend with `kernel`."""
+    def set_kernels(self, paged_attention: PagedAttention, recurrent_step: GDNDecodeStep) -> None:
+        """Make every attention layer (the MTP layer's too) attend with `paged_attention`, and every GDN
+        layer run its decode steps with `recurrent_step`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
-                module.paged_attention = kernel
+                module.paged_attention = paged_attention
+            elif isinstance(module, Qwen36GatedDeltaNet):
+                module.recurrent_step = recurrent_step
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp")
+KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
@@ -101,6 +101,10 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("optimum_qwen36::bf16_linear")
     def _(x, weight, bias):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("optimum_qwen36::gdn_decode_step")
+    def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale):
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::paged_attention")
     def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):

@@ -1,0 +1,76 @@
+"""The in-place GDN decode step (ops/gdn_decode.py): the native op and the PyTorch form against the float64
+token-by-token reference, on the cache's slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gdn_reference import make_gdn_inputs, max_rel_error, reference_gated_delta_rule
+
+from optimum_qwen36.ops.gdn_decode import gdn_decode_step_native, gdn_decode_step_torch
+from optimum_qwen36.ops.native import load_native_ops
+
+STEPS = {"torch": gdn_decode_step_torch}
+if load_native_ops():
+    STEPS["native"] = gdn_decode_step_native
+
+
+def _step_inputs(shape: tuple[int, int, int, int, int], dtype: torch.dtype, strong_decay: bool, seed: int):
+    """One token per row (not normalised: the step normalises q and k), a cache of 3 layers x 7 slots."""
+    batch, k_heads, v_heads, k_dim, v_dim = shape
+    inputs = make_gdn_inputs(
+        batch, 1, k_heads, v_heads, k_dim, v_dim, dtype=dtype, seed=seed, normalize_qk=False,
+        a_log_max=4.0 if strong_decay else 1.0, softplus_max=12.0 if strong_decay else 3.0,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed + 1)
+    states = torch.randn(3, 7, v_heads, k_dim, v_dim, generator=generator)
+    slots = torch.randperm(7, generator=generator)[:batch]
+    return inputs, states, slots
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize(
+    "shape", [(3, 2, 6, 32, 48), (2, 4, 4, 16, 16), (1, 2, 4, 128, 128)], ids=["group3", "group1", "qwen"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strong_decay", [False, True])
+def test_decode_step_updates_the_rows_slots_like_the_reference(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, strong_decay: bool
+) -> None:
+    inputs, states, slots = _step_inputs(shape, dtype, strong_decay, seed=sum(shape))
+    layer = 1
+    expected_o, expected_state = reference_gated_delta_rule(
+        **inputs, initial_state=states[layer, slots], use_qk_l2norm=True
+    )
+    cache = states.clone()
+    args = (inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta"))
+    o = STEPS[name](*args, cache, layer, slots, shape[3] ** -0.5)
+    assert o.shape == inputs["v"][:, 0].shape and o.dtype == dtype
+    # float32 arithmetic: the output rounded once to the input dtype, the state to float32
+    assert max_rel_error(o, expected_o[:, 0]) <= (1e-5 if dtype == torch.float32 else 2**-8)
+    assert max_rel_error(cache[layer, slots], expected_state[:, 0]) <= 1e-5
+    untouched = torch.ones(3, 7, dtype=torch.bool)
+    untouched[layer, slots] = False
+    assert torch.equal(cache[untouched], states[untouched])
+
+
+@pytest.mark.skipif("native" not in STEPS, reason="the native CPU kernels cannot be built here")
+def test_native_and_torch_steps_agree_over_many_steps() -> None:
+    """Fifty steps in a row on the same slots: the two forms stay within float32 rounding of each other."""
+    _, states, slots = _step_inputs((2, 2, 4, 32, 32), torch.float32, False, seed=5)
+    native, torch_form = states.clone(), states.clone()
+    for step in range(50):
+        inputs = make_gdn_inputs(2, 1, 2, 4, 32, 32, seed=100 + step, normalize_qk=False)
+        args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
+        o_native = gdn_decode_step_native(*args, native, torch.tensor([2]), slots, 32**-0.5)
+        o_torch = gdn_decode_step_torch(*args, torch_form, 2, slots, 32**-0.5)
+        torch.testing.assert_close(o_native, o_torch, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native, torch_form, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif("native" not in STEPS, reason="the native CPU kernels cannot be built here")
+def test_native_step_refuses_a_slot_outside_the_cache() -> None:
+    inputs, states, _ = _step_inputs((1, 2, 4, 16, 16), torch.float32, False, seed=0)
+    args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(RuntimeError, match="slot 7 out of range"):
+        gdn_decode_step_native(*args, states, 0, torch.tensor([7]), 0.25)
