@@ -11,7 +11,12 @@ from optimum_qwen36.exporters.aoti import _MethodAsForward
 from optimum_qwen36.exporters.backends import example_step_args
 from optimum_qwen36.modeling.qwen36 import Qwen36Attention
 from optimum_qwen36.ops.attention import paged_attention_native, paged_attention_torch
-from optimum_qwen36.ops.gdn_decode import gdn_decode_step_native, gdn_decode_step_torch
+from optimum_qwen36.ops.gdn import (
+    gdn_decode_step_native,
+    gdn_decode_step_torch,
+    gdn_prefill_chunk_native,
+    gdn_prefill_chunk_torch,
+)
 from optimum_qwen36.ops.native import load_native_ops
 
 needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU kernels cannot be built here")
@@ -103,12 +108,12 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
     assert attention and all(m.paged_attention is paged_attention_torch for m in attention)
 
     args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
-    model.model.set_kernels(paged_attention_native, gdn_decode_step_native)
+    model.model.set_kernels(paged_attention_native, gdn_decode_step_native, gdn_prefill_chunk_native)
     try:
         with torch.no_grad():
             program = torch.export.export(_MethodAsForward(model.model, "prefill_chunk"), args, strict=False)
     finally:
-        model.model.set_kernels(paged_attention_torch, gdn_decode_step_torch)
+        model.model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)
     assert calls == len(attention)

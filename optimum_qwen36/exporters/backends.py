@@ -27,7 +27,12 @@ from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from ..ops.attention import paged_attention_native, paged_attention_torch
-from ..ops.gdn_decode import gdn_decode_step_native, gdn_decode_step_torch
+from ..ops.gdn import (
+    gdn_decode_step_native,
+    gdn_decode_step_torch,
+    gdn_prefill_chunk_native,
+    gdn_prefill_chunk_torch,
+)
 from ..ops.native import bf16_linear_is_fast, load_native_ops
 from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, rows_blocks_in_use
@@ -287,14 +292,16 @@ def _compile_graphs(
     cpu_kernels: bool,
 ) -> None:
     """Compile the regions of each step (name -> example arguments) into out_dir. With cpu_kernels, where
-    the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN decode steps
-    `optimum_qwen36::gdn_decode_step`, and the linear layers of every step but prefill_chunk are traced as
-    matvec.DecodeLinears says."""
+    the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN layers
+    `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
+    prefill_chunk are traced as matvec.DecodeLinears says."""
     extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
     native_bf16 = cpu_kernels and bf16_linear_is_fast()
     if cpu_kernels and load_native_ops():
-        model.set_kernels(paged_attention_native, gdn_decode_step_native)
+        # The chunked delta rule's scalar build (no AVX-512) is slower than the compiled PyTorch twin.
+        chunk_step = gdn_prefill_chunk_native if native_bf16 else gdn_prefill_chunk_torch
+        model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step)
     try:
         for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
             start = time.perf_counter()
@@ -302,7 +309,7 @@ def _compile_graphs(
             extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
             logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
     finally:
-        model.set_kernels(paged_attention_torch, gdn_decode_step_torch)
+        model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
     logger.info("Compiled %s in %.1f s", ", ".join(graphs), time.perf_counter() - total)

@@ -63,14 +63,16 @@ def graph_source_digest() -> str:
     stale graphs be reused."""
     from ..modeling import quantization, qwen36
     from ..nki import kernels
-    from ..ops import fp8, native
+    from ..ops import attention, fp8, gdn, native
 
     kernel_dir = Path(kernels.__file__).parent
     sources = [
         Path(qwen36.__file__),
         Path(quantization.__file__),
         Path(fp8.__file__),
-        *native.SOURCES,
+        Path(attention.__file__),
+        Path(gdn.__file__),
+        *native.FILES,
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
         Path(__file__).parent / "aoti.py",

@@ -34,11 +34,10 @@ from transformers import PretrainedConfig
 from ..nki import (
     causal_conv1d_fn,
     causal_conv1d_update,
-    chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
 from ..ops.attention import PagedAttention, paged_attention_torch
-from ..ops.gdn_decode import GDNDecodeStep, gdn_decode_step_torch
+from ..ops.gdn import GDNStep, gdn_decode_step_torch, gdn_prefill_chunk_torch
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
@@ -203,8 +202,10 @@ class Qwen36GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        # A decode step of the delta rule on the cache's states, in place (backends may swap in a native op).
-        self.recurrent_step: GDNDecodeStep = gdn_decode_step_torch
+        # The delta rule of a decode step and of a prefill chunk on the cache's states, in place (ops/gdn.py;
+        # backends may swap in native ops).
+        self.recurrent_step: GDNStep = gdn_decode_step_torch
+        self.chunk_step: GDNStep = gdn_prefill_chunk_torch
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
@@ -231,20 +232,19 @@ class Qwen36GatedDeltaNet(nn.Module):
         rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
         conv_state = step.conv_state[cache_idx, step.slots]
         index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
-        if step.valid is None and step.spec_recurrent_state is None:
+        if step.spec_recurrent_state is not None:
+            recurrent_state = step.recurrent_state[cache_idx, step.slots]
+            out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
+            step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
+            step.spec_recurrent_state.index_put_(index, recurrent_states)
+            return out
+        if step.valid is None:
             out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
         else:
-            recurrent_state = step.recurrent_state[cache_idx, step.slots]
-            if step.spec_recurrent_state is not None:
-                out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
-                step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
-                step.spec_recurrent_state.index_put_(index, recurrent_states)
-                return out
-            out, new_conv, new_recurrent = self.prefill(
-                hidden, step.valid, step.num_valid, conv_state, recurrent_state
+            out, new_conv = self.prefill(
+                hidden, step.valid, step.num_valid, conv_state, step.recurrent_state, cache_idx, step.slots
             )
-            # One index_put_ on the whole state tensor: compiled backends update it in place only so.
-            step.recurrent_state.index_put_(index, new_recurrent)
+        # One index_put_ on the whole state tensor: compiled backends update it in place only in this form.
         step.conv_state.index_put_(index, new_conv.to(step.conv_state.dtype))
         return out
 
@@ -255,9 +255,12 @@ class Qwen36GatedDeltaNet(nn.Module):
         num_valid: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [1, C, hidden], valid [1, C] bool, states of the sequence's slot ([1, ...]).
-        Returns the output and the new conv and recurrent states at the valid end of the chunk."""
+        cache_idx: CacheIndex,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [1, C, hidden], valid [1, C] bool, the conv state of the sequence's slot ([1, ...]), the
+        cache's recurrent state tensor. Returns the output and the new conv state at the valid end of the
+        chunk; the slot's recurrent state is updated in place (to the one at the last valid token)."""
         mixed, z, beta, g = self._project(hidden)
         mixed, new_conv_state = causal_conv1d_fn(
             mixed,
@@ -271,11 +274,10 @@ class Qwen36GatedDeltaNet(nn.Module):
         # at the last valid token, exactly.
         beta = beta * valid.unsqueeze(-1)
         g = g * valid.unsqueeze(-1)
-        core, new_recurrent_state = chunk_gated_delta_rule(
-            query, key, value, g, beta,
-            initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
-        return self._output(core, z), new_conv_state, new_recurrent_state
+        core = self.chunk_step(
+            query, key, value, g, beta, recurrent_state, cache_idx, slots, self.head_k_dim**-0.5
+        )
+        return self._output(core, z), new_conv_state
 
     def decode(
         self,
@@ -403,14 +405,16 @@ class Qwen36ForCausalLM(nn.Module):
         self.mtp = Qwen36MultiTokenPredictor(config, n_attention) if mtp else None
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
 
-    def set_kernels(self, paged_attention: PagedAttention, recurrent_step: GDNDecodeStep) -> None:
+    def set_kernels(
+        self, paged_attention: PagedAttention, recurrent_step: GDNStep, chunk_step: GDNStep
+    ) -> None:
         """Make every attention layer (the MTP layer's too) attend with `paged_attention`, and every GDN
-        layer run its decode steps with `recurrent_step`."""
+        layer run its decode steps with `recurrent_step` and its prefill chunks with `chunk_step`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
                 module.paged_attention = paged_attention
             elif isinstance(module, Qwen36GatedDeltaNet):
-                module.recurrent_step = recurrent_step
+                module.recurrent_step, module.chunk_step = recurrent_step, chunk_step
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:

@@ -18,8 +18,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp")
+KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp", "gdn_prefill.cpp")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
+# Everything the extension is built from (its name and the compile cache key hash these).
+FILES = (*SOURCES, Path(__file__).parent / "csrc" / "vec_math.h")
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
@@ -49,8 +51,9 @@ def build_flags() -> list[str]:
 
 
 def bf16_linear_is_fast() -> bool:
-    """Whether `optimum_qwen36::bf16_linear` is built with its AVX-512 BF16 path here (the scalar fallback
-    is far slower than ATen's matrix product, so callers then keep F.linear)."""
+    """Whether the extension is built with its AVX-512 (BF16) paths here: `optimum_qwen36::bf16_linear`'s
+    and `gdn_prefill_chunk`'s scalar fallbacks are slower than ATen's matrix product and the compiled
+    PyTorch twin, so callers then keep those."""
     return BF16_FLAGS["avx512_bf16"] in build_flags() and load_native_ops()
 
 
@@ -59,7 +62,7 @@ def extension_name() -> str:
     digest = hashlib.sha256()
     digest.update(torch.__version__.encode())
     digest.update(" ".join(build_flags()).encode())
-    for source in SOURCES:
+    for source in FILES:
         digest.update(source.read_bytes())
     return f"optimum_qwen36_cpu_{digest.hexdigest()[:12]}"
 
@@ -104,6 +107,10 @@ def _register_fake_kernels() -> None:
 
     @torch.library.register_fake("optimum_qwen36::gdn_decode_step")
     def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale):
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("optimum_qwen36::gdn_prefill_chunk")
+    def _(q, k, v, g, beta, recurrent_state, cache_idx, slot, scale):
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::paged_attention")

@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QWEN36_BF16_AVX512 1
@@ -70,19 +72,6 @@ constexpr int64_t kKeyTile = 32;    // keys per packed key tile: the columns of 
 constexpr int64_t kKeyBlock = 128;  // keys per online-softmax step
 constexpr int64_t kRowBlock = 64;   // query rows (tokens x the heads of one KV head) per work item
 constexpr int kMicroRows = 8;
-
-// exp(x) for x <= 0 (Cody-Waite reduction, degree-7 Taylor on |r| <= ln2/2: relative error < 1e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
 
 // c[r][0..32) = (accumulate ? c[r] : 0) + sum over pairs p of a[r][p] . b[p * ldb + 0..32), R rows: a[r] holds
 // bf16 pairs (as uint32), b the packed pairs of 32 columns.
@@ -205,8 +194,8 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
         const __m512 s_lo = _mm512_loadu_ps(s + j), s_hi = _mm512_loadu_ps(s + j + 16);
         const __mmask16 live_lo = _mm512_cmp_ps_mask(s_lo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
         const __mmask16 live_hi = _mm512_cmp_ps_mask(s_hi, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 e_lo = _mm512_maskz_mov_ps(live_lo, exp_nonpositive(_mm512_sub_ps(s_lo, max_v)));
-        const __m512 e_hi = _mm512_maskz_mov_ps(live_hi, exp_nonpositive(_mm512_sub_ps(s_hi, max_v)));
+        const __m512 e_lo = _mm512_maskz_mov_ps(live_lo, optimum_qwen36::exp_nonpositive(_mm512_sub_ps(s_lo, max_v)));
+        const __m512 e_hi = _mm512_maskz_mov_ps(live_hi, optimum_qwen36::exp_nonpositive(_mm512_sub_ps(s_hi, max_v)));
         // P as bf16 (round to nearest even); the sum is of the rounded values, as P V uses them
         const __m512bh packed = _mm512_cvtne2ps_pbh(e_hi, e_lo);
         _mm512_storeu_si512(p + j, (__m512i)packed);

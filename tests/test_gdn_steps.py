@@ -1,5 +1,5 @@
-"""The in-place GDN decode step (ops/gdn_decode.py): the native op and the PyTorch form against the float64
-token-by-token reference, on the cache's slots."""
+"""The in-place GDN steps (ops/gdn.py), decode step and prefill chunk: the native ops and the PyTorch forms
+against the float64 token-by-token reference, on the cache's slots."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import pytest
 import torch
 from gdn_reference import make_gdn_inputs, max_rel_error, reference_gated_delta_rule
 
-from optimum_qwen36.ops.gdn_decode import gdn_decode_step_native, gdn_decode_step_torch
+from optimum_qwen36.ops.gdn import (
+    gdn_decode_step_native,
+    gdn_decode_step_torch,
+    gdn_prefill_chunk_native,
+    gdn_prefill_chunk_torch,
+)
 from optimum_qwen36.ops.native import load_native_ops
 
 STEPS = {"torch": gdn_decode_step_torch}
+CHUNKS = {"torch": gdn_prefill_chunk_torch}
 if load_native_ops():
     STEPS["native"] = gdn_decode_step_native
+    CHUNKS["native"] = gdn_prefill_chunk_native
 
 
 def _step_inputs(shape: tuple[int, int, int, int, int], dtype: torch.dtype, strong_decay: bool, seed: int):
@@ -74,3 +81,52 @@ def test_native_step_refuses_a_slot_outside_the_cache() -> None:
     args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
     with pytest.raises(RuntimeError, match="slot 7 out of range"):
         gdn_decode_step_native(*args, states, 0, torch.tensor([7]), 0.25)
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+@pytest.mark.parametrize(
+    "shape",
+    [(100, 2, 6, 32, 48), (256, 4, 4, 128, 128), (7, 1, 3, 32, 32), (64, 2, 2, 16, 16), (70, 2, 2, 24, 20)],
+    ids=["group3-partial-chunk", "qwen", "few-tokens", "one-chunk", "head-sizes-not-multiples-of-16"],
+)
+@pytest.mark.parametrize("hard", [False, True], ids=["plain", "strong-decay-correlated-keys"])
+def test_prefill_chunk_updates_the_slot_like_the_reference(
+    name: str, shape: tuple[int, ...], hard: bool
+) -> None:
+    tokens, k_heads, v_heads, k_dim, v_dim = shape
+    inputs = make_gdn_inputs(
+        1, tokens, k_heads, v_heads, k_dim, v_dim, seed=tokens, normalize_qk=False,
+        a_log_max=4.0 if hard else 1.0, softplus_max=12.0 if hard else 3.0,
+        key_correlation=0.9 if hard else 0.0,
+    )  # fmt: skip
+    states = torch.randn(3, 5, v_heads, k_dim, v_dim, generator=torch.Generator().manual_seed(1))
+    slot, layer = torch.tensor([3]), 2
+    expected_o, expected_state = reference_gated_delta_rule(
+        **inputs, initial_state=states[layer, slot], use_qk_l2norm=True
+    )
+    cache = states.clone()
+    o = CHUNKS[name](*(inputs[n] for n in ("q", "k", "v", "g", "beta")), cache, layer, slot, k_dim**-0.5)
+    assert max_rel_error(o, expected_o) <= 1e-5
+    assert max_rel_error(cache[layer, slot], expected_state[:, 0]) <= 1e-5
+    untouched = torch.ones(3, 5, dtype=torch.bool)
+    untouched[layer, slot] = False
+    assert torch.equal(cache[untouched], states[untouched])
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+def test_prefill_chunk_padding_leaves_the_state_at_the_last_real_token(name: str) -> None:
+    """A chunk of 80 positions of which 50 are real (the rest with g = 0, beta = 0 and arbitrary q, k, v, as
+    the model pads them): the state is the one after token 50, and the real outputs are those of 50 tokens."""
+    inputs = make_gdn_inputs(1, 80, 2, 4, 32, 32, seed=3, normalize_qk=False)
+    real = {n: t[:, :50] for n, t in inputs.items()}
+    padded = dict(inputs)
+    padded["g"] = torch.cat([inputs["g"][:, :50], torch.zeros_like(inputs["g"][:, 50:])], 1)
+    padded["beta"] = torch.cat([inputs["beta"][:, :50], torch.zeros_like(inputs["beta"][:, 50:])], 1)
+    states = torch.randn(1, 2, 4, 32, 32, generator=torch.Generator().manual_seed(2))
+    slot = torch.tensor([1])
+    expected_o, expected_state = reference_gated_delta_rule(
+        **real, initial_state=states[0, slot], use_qk_l2norm=True
+    )
+    o = CHUNKS[name](*(padded[n] for n in ("q", "k", "v", "g", "beta")), states, 0, slot, 32**-0.5)
+    assert max_rel_error(o[:, :50], expected_o) <= 1e-5
+    assert max_rel_error(states[0, slot], expected_state[:, 0]) <= 1e-5

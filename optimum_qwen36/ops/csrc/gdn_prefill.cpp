@@ -1,0 +1,285 @@
+// A prefill chunk of the gated delta rule for one sequence, from and into its recurrent state in the cache.
+//
+// q, k [1, T, H, K], v [1, T, HV, V], g (log decay) and beta [1, T, HV]; recurrent_state [L, slots, HV, K, V]
+// float32, of which layer `cache_idx`, slot `slot` is the sequence's state S, read as the initial state and
+// overwritten with the state after the last token. Tokens past the real ones must carry g = 0 and beta = 0
+// (then they leave S untouched). q and k are L2-normalised (eps 1e-6) and q scaled, as
+// `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype.
+//
+// The chunked form of the PyTorch twin (nki/kernels/chunk_gated_delta_rule_torch.py), on chunks of kChunk
+// tokens, per key head (its HV / H value heads share the key-head work: normalised q and k, K K^T, Q K^T):
+//   [k S; q S] = [k; q] S                                  one pass over S
+//   v_new = (I + A)^-1 diag(beta) (v - e^c . k S)          A = diag(beta) (K K^T . G) strictly lower,
+//                                                          solved by forward substitution (no inverse)
+//   o = (Q K^T . G, causal) v_new + e^c . q S
+//   S <- e^(c_last) S + K^T (e^(c_last - c) . v_new)
+// with c the in-chunk cumulative log decay and G_ij = e^(c_i - c_j) (j <= i; c summed in float64, so the
+// difference does not cancel under strong decays, and every exponent is <= 0). All arithmetic is float32.
+// The products are register-blocked AVX-512 float32 loops (4 rows x 64 columns); without AVX-512 the same
+// loops run in scalar code.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define QWEN36_F32_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 64;
+constexpr int kRows = 4;  // rows per register block
+constexpr float kNormEps = 1e-6f;
+
+// c[i][0 .. 16 NV) = (accumulate ? c[i] : 0) + sum over j < depth of a(i, j) b[j][0 .. 16 NV), for i < kRows;
+// a(i, j) = a[i * a_row + j * a_col].
+template <int NV>
+inline void block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, int64_t depth,
+                  float* c, int64_t ldc, bool accumulate) {
+#ifdef QWEN36_F32_AVX512
+  __m512 acc[kRows][NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < depth; ++j) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + j * ldb + 16 * v);
+#pragma GCC unroll 4
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * a_row + j * a_col]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+#else
+  for (int i = 0; i < kRows; ++i)
+    for (int64_t n = 0; n < 16 * NV; ++n) {
+      float sum = accumulate ? c[i * ldc + n] : 0.0f;
+      for (int64_t j = 0; j < depth; ++j) sum += a[i * a_row + j * a_col] * b[j * ldb + n];
+      c[i * ldc + n] = sum;
+    }
+#endif
+}
+
+// C [rows, cols] (+)= A [rows, depth] B [depth, cols] (rows a multiple of kRows, cols of 16); A(i, j) =
+// a[i * a_row + j * a_col], B row j at b + j * ldb. causal: row i only needs j <= i (A is zero above), so a
+// block of rows stops at its last row.
+void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b,
+          int64_t ldb, float* c, int64_t ldc, bool accumulate, bool causal = false) {
+  // Columns outside, rows inside: a 64-column slice of B stays in L1 while every row block reads it.
+  for (int64_t n = 0; n < cols; n += 64) {
+    const int64_t width = std::min<int64_t>(64, cols - n);
+    for (int64_t i = 0; i < rows; i += kRows) {
+      const int64_t d = causal ? std::min(depth, i + kRows) : depth;
+      const float* a_i = a + i * a_row;
+      float* c_i = c + i * ldc + n;
+      switch (width / 16) {
+        case 4: block<4>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
+        case 3: block<3>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
+        case 2: block<2>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
+        default: block<1>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
+      }
+    }
+  }
+}
+
+// x / sqrt(sum(x^2) + eps) * factor, n values, into out.
+void normalise(const float* x, int64_t n, float factor, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = factor / std::sqrt(sum + kNormEps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
+}
+
+struct Inputs {
+  const float *q, *k, *v, *g, *beta;  // float32 copies, [T, H, K], [T, H, K], [T, HV, V], [T, HV], [T, HV]
+  int64_t tokens, k_heads, v_heads, k_dim, v_dim;
+  float scale;
+};
+
+// Per-thread buffers of one key head's chunk.
+struct Scratch {
+  std::vector<float> kq, k_t, kk, qk, reads, gamma, a, attn, x, decayed;
+  Scratch(int64_t k_dim, int64_t v_dim)
+      : kq(2 * kChunk * k_dim), k_t(k_dim * kChunk), kk(kChunk * kChunk), qk(kChunk * kChunk),
+        reads(2 * kChunk * v_dim), gamma(kChunk * kChunk), a(kChunk * kChunk), attn(kChunk * kChunk),
+        x(kChunk * v_dim), decayed(kChunk * v_dim) {}
+};
+
+// G_ij = e^(c_i - c_j) (j <= i, else 0); A = diag(beta) (K K^T . G) strictly below the diagonal; the causal
+// attention Q K^T . G (diagonal included). c in float64: c_i - c_j rounds once.
+void decay_products(const double* cum, const float* beta, Scratch& s) {
+  for (int64_t i = 0; i < kChunk; ++i) {
+    float* a = s.a.data() + i * kChunk;
+    float* attn = s.attn.data() + i * kChunk;
+    const float* kk = s.kk.data() + i * kChunk;
+    const float* qk = s.qk.data() + i * kChunk;
+#ifdef QWEN36_F32_AVX512
+    const __m512d c_i = _mm512_set1_pd(cum[i]);
+    for (int64_t j = 0; j < kChunk; j += 16) {
+      const __m256 lo = _mm512_cvtpd_ps(_mm512_sub_pd(c_i, _mm512_loadu_pd(cum + j)));
+      const __m256 hi = _mm512_cvtpd_ps(_mm512_sub_pd(c_i, _mm512_loadu_pd(cum + j + 8)));
+      const __m512 diff = _mm512_castpd_ps(
+          _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+      const int64_t on_or_below = std::clamp<int64_t>(i - j + 1, 0, 16), below = std::clamp<int64_t>(i - j, 0, 16);
+      const __mmask16 causal = __mmask16((1u << on_or_below) - 1), strict = __mmask16((1u << below) - 1);
+      const __m512 gamma = _mm512_maskz_mov_ps(causal, optimum_qwen36::exp_nonpositive(_mm512_min_ps(diff, _mm512_setzero_ps())));
+      _mm512_storeu_ps(a + j, _mm512_maskz_mul_ps(strict, _mm512_mul_ps(_mm512_set1_ps(beta[i]), _mm512_loadu_ps(kk + j)), gamma));
+      _mm512_storeu_ps(attn + j, _mm512_mul_ps(_mm512_loadu_ps(qk + j), gamma));
+    }
+#else
+    for (int64_t j = 0; j < kChunk; ++j) {
+      const float gamma = j <= i ? std::exp(float(cum[i] - cum[j])) : 0.0f;
+      a[j] = j < i ? beta[i] * kk[j] * gamma : 0.0f;
+      attn[j] = qk[j] * gamma;
+    }
+#endif
+  }
+}
+
+// x <- (I + A)^-1 x for A strictly lower triangular [C, C] and x [C, V] (V a multiple of 16): row i minus
+// sum_{j<i} A_ij x_j, rows in order (forward substitution), 64 columns at a time kept in registers.
+void forward_substitute(const float* a, float* x, int64_t V) {
+#ifdef QWEN36_F32_AVX512
+  for (int64_t n = 0; n < V; n += 16) {
+    const int nv = int(std::min<int64_t>(4, (V - n) / 16));
+    for (int64_t i = 1; i < kChunk; ++i) {
+      __m512 acc[4];
+      for (int v = 0; v < nv; ++v) acc[v] = _mm512_loadu_ps(x + i * V + n + 16 * v);
+      for (int64_t j = 0; j < i; ++j) {
+        const __m512 aij = _mm512_set1_ps(-a[i * kChunk + j]);
+        for (int v = 0; v < nv; ++v) acc[v] = _mm512_fmadd_ps(aij, _mm512_loadu_ps(x + j * V + n + 16 * v), acc[v]);
+      }
+      for (int v = 0; v < nv; ++v) _mm512_storeu_ps(x + i * V + n + 16 * v, acc[v]);
+    }
+    n += 16 * (nv - 1);
+  }
+#else
+  for (int64_t i = 1; i < kChunk; ++i)
+    for (int64_t j = 0; j < i; ++j)
+      for (int64_t d = 0; d < V; ++d) x[i * V + d] -= a[i * kChunk + j] * x[j * V + d];
+#endif
+}
+
+// Key head h over all chunks: its value heads' states (states[r], [K, V]) updated in place, o [T, HV, V].
+void key_head(const Inputs& in, int64_t h, float* const* states, float* o, Scratch& s) {
+  const int64_t K = in.k_dim, V = in.v_dim, group = in.v_heads / in.k_heads;
+  float* keys = s.kq.data();                 // [C, K]
+  float* queries = s.kq.data() + kChunk * K;  // [C, K], scaled
+  for (int64_t t0 = 0; t0 < in.tokens; t0 += kChunk) {
+    const int64_t n = std::min(kChunk, in.tokens - t0);
+    std::fill(s.kq.begin(), s.kq.end(), 0.0f);  // a partial chunk: zero rows past n
+    for (int64_t i = 0; i < n; ++i) {
+      normalise(in.k + ((t0 + i) * in.k_heads + h) * K, K, 1.0f, keys + i * K);
+      normalise(in.q + ((t0 + i) * in.k_heads + h) * K, K, in.scale, queries + i * K);
+    }
+    for (int64_t i = 0; i < kChunk; ++i)
+      for (int64_t d = 0; d < K; ++d) s.k_t[d * kChunk + i] = keys[i * K + d];
+    // K K^T and (scale Q) K^T, lower triangles (diagonal included)
+    gemm(kChunk, kChunk, K, keys, K, 1, s.k_t.data(), kChunk, s.kk.data(), kChunk, false);
+    gemm(kChunk, kChunk, K, queries, K, 1, s.k_t.data(), kChunk, s.qk.data(), kChunk, false);
+    for (int64_t r = 0; r < group; ++r) {
+      const int64_t hv = h * group + r;
+      float* state = states[r];
+      // in-chunk cumulative log decay (float64: differences of it do not cancel), e^c, G = e^(c_i - c_j)
+      double cum[kChunk];
+      float beta[kChunk], exp_cum[kChunk];
+      double running = 0.0;
+      for (int64_t i = 0; i < kChunk; ++i) {
+        const bool real = i < n;
+        running += real ? double(in.g[(t0 + i) * in.v_heads + hv]) : 0.0;
+        cum[i] = running;
+        beta[i] = real ? in.beta[(t0 + i) * in.v_heads + hv] : 0.0f;
+        exp_cum[i] = std::exp(float(running));
+      }
+      decay_products(cum, beta, s);
+      // [k S; q S]: both read S once
+      float* k_reads = s.reads.data();
+      float* q_reads = s.reads.data() + kChunk * V;
+      gemm(2 * kChunk, V, K, s.kq.data(), K, 1, state, V, s.reads.data(), V, false);
+      // x = (I + A)^-1 diag(beta) (v - e^c k S), row by row (forward substitution)
+      for (int64_t i = 0; i < kChunk; ++i) {
+        float* xi = s.x.data() + i * V;
+        const float* vi = in.v + ((t0 + i) * in.v_heads + hv) * V;
+        for (int64_t d = 0; d < V; ++d) xi[d] = i < n ? beta[i] * (vi[d] - exp_cum[i] * k_reads[i * V + d]) : 0.0f;
+      }
+      forward_substitute(s.a.data(), s.x.data(), V);
+      // o = e^c q S + attn x
+      for (int64_t i = 0; i < kChunk; ++i)
+        for (int64_t d = 0; d < V; ++d) q_reads[i * V + d] *= exp_cum[i];
+      gemm(kChunk, V, kChunk, s.attn.data(), kChunk, 1, s.x.data(), V, q_reads, V, true, true);
+      for (int64_t i = 0; i < n; ++i) std::copy_n(q_reads + i * V, V, o + ((t0 + i) * in.v_heads + hv) * V);
+      // S <- e^(c_last) S + K^T (e^(c_last - c) x)
+      const float last = float(cum[kChunk - 1]);
+      for (int64_t i = 0; i < kChunk; ++i) {
+        const float f = std::exp(float(cum[kChunk - 1] - cum[i]));
+        for (int64_t d = 0; d < V; ++d) s.decayed[i * V + d] = f * s.x[i * V + d];
+      }
+      const float tile_decay = std::exp(last);
+      for (int64_t e = 0; e < K * V; ++e) state[e] *= tile_decay;
+      gemm(K, V, kChunk, keys, 1, K, s.decayed.data(), V, state, V, true);
+    }
+  }
+}
+
+at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                             const at::Tensor& beta, at::Tensor recurrent_state, const at::Tensor& cache_idx,
+                             const at::Tensor& slot, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.sizes() == q.sizes(), "gdn_prefill_chunk: q, k [1, T, H, K]");
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == 1 && v.size(1) == q.size(1), "gdn_prefill_chunk: v [1, T, HV, V]");
+  const int64_t tokens = q.size(1), k_heads = q.size(2), k_dim = q.size(3), v_heads = v.size(2), v_dim = v.size(3);
+  TORCH_CHECK(v_heads % k_heads == 0, "gdn_prefill_chunk: value heads must be a multiple of key heads");
+  TORCH_CHECK(k_dim % 16 == 0 && v_dim % 16 == 0, "gdn_prefill_chunk: head sizes must be multiples of 16");
+  TORCH_CHECK(g.sizes() == v.sizes().slice(0, 3) && beta.sizes() == g.sizes(), "gdn_prefill_chunk: g, beta [1, T, HV]");
+  TORCH_CHECK(recurrent_state.scalar_type() == at::kFloat && recurrent_state.is_contiguous() &&
+                  recurrent_state.dim() == 5 && recurrent_state.size(2) == v_heads &&
+                  recurrent_state.size(3) == k_dim && recurrent_state.size(4) == v_dim,
+              "gdn_prefill_chunk: recurrent_state must be a contiguous float32 [L, slots, HV, K, V]");
+  TORCH_CHECK(cache_idx.numel() == 1 && slot.numel() == 1, "gdn_prefill_chunk: one layer and one slot");
+  const int64_t layer = cache_idx.item<int64_t>(), row_slot = slot.item<int64_t>();
+  TORCH_CHECK(layer >= 0 && layer < recurrent_state.size(0) && row_slot >= 0 && row_slot < recurrent_state.size(1),
+              "gdn_prefill_chunk: layer ", layer, " or slot ", row_slot, " out of range");
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
+  const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
+  const at::Tensor bf = beta.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options().dtype(at::kFloat));
+  const Inputs in{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
+                  bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim, float(scale)};
+  const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
+  float* first_state = recurrent_state.data_ptr<float>() + ((layer * recurrent_state.size(1) + row_slot) * v_heads) * state_size;
+  at::parallel_for(0, k_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(k_dim, v_dim);
+    std::vector<float*> states(group);
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t r = 0; r < group; ++r) states[r] = first_state + (h * group + r) * state_size;
+      key_head(in, h, states.data(), out.data_ptr<float>(), scratch);
+    }
+  });
+  return out.to(v.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
+  m.def(
+      "gdn_prefill_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) recurrent_state, "
+      "Tensor cache_idx, Tensor slot, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
+  m.impl("gdn_prefill_chunk", &gdn_prefill_chunk);
+}

@@ -1,0 +1,112 @@
+"""The gated delta rule over the GDN cache, updating the rows' recurrent states in place: a decode step and
+a prefill chunk, each as a PyTorch form and a native CPU op.
+
+recurrent_state is the cache's whole float32 [L, slots, HV, K, V] tensor, of which entry `cache_idx`, slot
+slots[b] is row b's state; q and k are L2-normalised first (as `use_qk_l2norm_in_kernel=True`), q scaled.
+
+- decode step: q, k [B, H, K], v [B, HV, V], g (log decay) and beta [B, HV]; returns o [B, HV, V].
+- prefill chunk: one sequence, q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV] (tokens past the
+  real ones with g = 0 and beta = 0, so they leave the state as it is), slots [1]; returns o [1, T, HV, V].
+
+The PyTorch forms gather the states, run `nki.fused_recurrent_gated_delta_rule` /
+`nki.chunk_gated_delta_rule` (their PyTorch twins, or the NKI kernels on neuron) and scatter the new states
+back with one index_put_. The native ops (`optimum_qwen36::gdn_decode_step`, `gdn_prefill_chunk`:
+csrc/gdn_decode.cpp, csrc/gdn_prefill.cpp) read and rewrite the states where they lie. Outputs are in v's
+dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..nki import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+# (q, k, v, g, beta, recurrent_state, cache_idx, slots, scale) -> o
+GDNStep = Callable[..., torch.Tensor]
+
+
+def gdn_decode_step_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    state = recurrent_state[cache_idx, slots]
+    o, new_state = fused_recurrent_gated_delta_rule(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1), scale,
+        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    _write_states(recurrent_state, cache_idx, slots, new_state)
+    return o.squeeze(1)
+
+
+def _write_states(
+    recurrent_state: torch.Tensor, cache_idx: int | torch.Tensor, slots: torch.Tensor, states: torch.Tensor
+) -> None:
+    # One index_put_ on the whole state tensor: compiled backends update it in place only in this form.
+    recurrent_state.index_put_((torch.zeros_like(slots) + cache_idx, slots), states)
+
+
+def gdn_decode_step_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native op (load it first: `ops.native.load_native_ops()`)."""
+    op = torch.ops.optimum_qwen36.gdn_decode_step
+    return op(q, k, v, g, beta, recurrent_state, _index_tensor(cache_idx, q.device), slots, scale)
+
+
+def gdn_prefill_chunk_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    state = recurrent_state[cache_idx, slots]
+    o, new_state = chunk_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    _write_states(recurrent_state, cache_idx, slots, new_state)
+    return o
+
+
+def gdn_prefill_chunk_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native op (load it first: `ops.native.load_native_ops()`); head sizes that are not multiples of
+    its 16-float vectors run the PyTorch form."""
+    if q.shape[-1] % 16 or v.shape[-1] % 16:
+        return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
+    op = torch.ops.optimum_qwen36.gdn_prefill_chunk
+    return op(q, k, v, g, beta, recurrent_state, _index_tensor(cache_idx, q.device), slots, scale)
+
+
+def _index_tensor(cache_idx: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.tensor([cache_idx], device=device) if isinstance(cache_idx, int) else cache_idx
