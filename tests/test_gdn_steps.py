@@ -130,3 +130,21 @@ def test_prefill_chunk_padding_leaves_the_state_at_the_last_real_token(name: str
     o = CHUNKS[name](*(padded[n] for n in ("q", "k", "v", "g", "beta")), states, 0, slot, 32**-0.5)
     assert max_rel_error(o[:, :50], expected_o) <= 1e-5
     assert max_rel_error(states[0, slot], expected_state[:, 0]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+def test_prefill_chunk_reads_slices_of_the_conv_output_in_place(name: str) -> None:
+    """q, k, v as the model passes them (bf16 slices of one [1, T, 2 H K + HV V] tensor): the same output
+    and state as from contiguous copies."""
+    inputs = make_gdn_inputs(1, 90, 2, 4, 32, 32, dtype=torch.bfloat16, seed=4, normalize_qk=False)
+    mixed = torch.cat([inputs[n].flatten(2) for n in ("q", "k", "v")], -1)
+    q, k, v = mixed.split([64, 64, 128], dim=-1)
+    sliced = (q.view(1, 90, 2, 32), k.view(1, 90, 2, 32), v.view(1, 90, 4, 32))
+    assert not sliced[0].is_contiguous()
+    states = torch.randn(1, 2, 4, 32, 32, generator=torch.Generator().manual_seed(3))
+    copies = states.clone()
+    slot = torch.tensor([0])
+    o = CHUNKS[name](*sliced, inputs["g"], inputs["beta"], states, 0, slot, 32**-0.5)
+    contiguous = (x.contiguous() for x in sliced)
+    expected = CHUNKS[name](*contiguous, inputs["g"], inputs["beta"], copies, 0, slot, 32**-0.5)
+    assert torch.equal(o, expected) and torch.equal(states, copies)

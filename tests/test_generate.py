@@ -114,6 +114,28 @@ def test_continuing_from_returned_cache_equals_one_shot(checkpoint) -> None:
     assert torch.equal(second, one_shot)
 
 
+def test_a_kept_cache_serves_the_next_call_like_a_new_one(checkpoint) -> None:
+    """A call that does not return its cache keeps it for the next call (emptied: the next rows start from
+    zero GDN states); a cache handed to the caller is never reused behind the caller's back."""
+    path, _ = checkpoint
+    model = export_eager(path)
+    long_ids, long_mask = left_padded_prompts([20, 13, 17], seed=3)
+    input_ids, mask = left_padded_prompts([6, 9, 4], seed=4)
+    fresh = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    model._idle_cache = None
+    model.generate(long_ids, attention_mask=long_mask, max_new_tokens=8, do_sample=False)
+    kept = model._idle_cache
+    assert kept is not None
+    again = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(again, fresh) and model._idle_cache is kept
+    returned = model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True
+    )
+    assert returned.past_key_values is kept and model._idle_cache is None
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert model._idle_cache is not kept
+
+
 def test_multi_turn_continuation_processes_only_the_new_message(checkpoint) -> None:
     path, _ = checkpoint
     model = export_eager(path, batch_size=1)

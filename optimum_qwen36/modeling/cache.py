@@ -189,6 +189,14 @@ class Qwen36HybridCache(Cache):
         for tensor in (*self.step_tensors(), self.seq_lens, self.token_ids):
             tensor.zero_()
 
+    def forget(self) -> None:
+        """Empty every row for reuse: lengths, token ids and GDN states zeroed. KV past a row's length is
+        never read, so the KV tensors are left as they are (zeroing them would rewrite the whole cache)."""
+        states = (self.conv_state, self.recurrent_state, self.spec_conv_state, self.spec_recurrent_state)
+        for tensor in (*states, self.seq_lens, self.token_ids):
+            if tensor is not None:
+                tensor.zero_()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row b takes the content of row beam_idx[b] (rows may be repeated): KV is copied block by block
         into each row's own blocks, so no two rows ever share a writable block."""

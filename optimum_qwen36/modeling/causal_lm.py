@@ -125,6 +125,8 @@ class NeuronModelForCausalLM:
         # With prefix caching, one KV cache lives as long as the model: its blocks hold the cached prefixes.
         self.prefix_cache: PrefixCache | None = None
         self._prefix_kv: Qwen36HybridCache | None = None
+        # The cache of the last generate() call that did not hand it to its caller, kept for the next call.
+        self._idle_cache: Qwen36HybridCache | None = None
         if neuron_config.prefix_caching:
             self._prefix_kv = self._new_cache()
             self.prefix_cache = build_prefix_cache(self._prefix_kv, neuron_config, config)
@@ -420,6 +422,15 @@ class NeuronModelForCausalLM:
             return self.tensor_parallel.call(self, "_new_cache")
         return self._new_cache()
 
+    def _empty_cache(self) -> Qwen36HybridCache:
+        """An empty cache for a generate() call: the previous call's when it kept it (its memory is already
+        mapped, whereas a new cache's zeroed pages fault in one by one), else a new one."""
+        cache, self._idle_cache = self._idle_cache, None
+        if cache is None:
+            return self._new_cache()
+        cache.forget()
+        return cache
+
     def _new_cache(self) -> Qwen36HybridCache:
         # Compiled backends keep the cache on their device (cpu, cuda, neuron), where it is updated in place.
         cache = self.cache_for(self.model.config, self.neuron_config, self.backend.device)
@@ -562,6 +573,14 @@ class NeuronModelForCausalLM:
         max_new_tokens = max_new_tokens_of(config, width)
         # transformers >= 5.x names the cache `cache`; `past_key_values` is the older name of the same input.
         cache = inputs_kwargs.get("cache", inputs_kwargs.get("past_key_values"))
+        # A cache this call creates and does not return is kept for the next call (not with tensor
+        # parallelism, whose ranks each hold their part of it).
+        keep_cache = (
+            cache is None
+            and self._prefix_kv is None
+            and self.tensor_parallel is None
+            and not config.return_dict_in_generate
+        )
         cache = self._check_cache(cache, rows, max_new_tokens)
 
         pad_token_id = config.pad_token_id
@@ -620,6 +639,8 @@ class NeuronModelForCausalLM:
         cached_tokens = run.finish() if run else None
         if streamer is not None:
             streamer.end()
+        if keep_cache:
+            self._idle_cache = cache
         if not config.return_dict_in_generate:
             return sequences
         output = GenerateDecoderOnlyOutput(
@@ -703,7 +724,7 @@ class NeuronModelForCausalLM:
                 )
             return self._prefix_kv
         if cache is None:
-            return self._new_cache()
+            return self._empty_cache()
         if not isinstance(cache, Qwen36HybridCache):
             raise ValueError(
                 f"past_key_values must be the Qwen36HybridCache returned by this model's generate(), "

@@ -4,7 +4,8 @@
 // float32, of which layer `cache_idx`, slot `slot` is the sequence's state S, read as the initial state and
 // overwritten with the state after the last token. Tokens past the real ones must carry g = 0 and beta = 0
 // (then they leave S untouched). q and k are L2-normalised (eps 1e-6) and q scaled, as
-// `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype.
+// `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype; q, k and v are read where they lie
+// (any strides but a contiguous last dimension).
 //
 // The chunked form of the PyTorch twin (nki/kernels/chunk_gated_delta_rule_torch.py), on chunks of kChunk
 // tokens, per key head (its HV / H value heads share the key-head work: normalised q and k, K K^T, Q K^T):
@@ -18,6 +19,7 @@
 // The products are register-blocked AVX-512 float32 loops (4 rows x 64 columns); without AVX-512 the same
 // loops run in scalar code.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -97,16 +99,30 @@ void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_r
   }
 }
 
-// x / sqrt(sum(x^2) + eps) * factor, n values, into out.
-void normalise(const float* x, int64_t n, float factor, float* out) {
+// x / sqrt(sum(x^2) + eps) * factor, n values, into out (float32).
+template <typename T>
+void normalise(const T* x, int64_t n, float factor, float* out) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  for (int64_t i = 0; i < n; ++i) sum += float(x[i]) * float(x[i]);
   const float inv = factor / std::sqrt(sum + kNormEps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
+  for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]) * inv;
 }
 
+// Row (token t, head h) of a [1, T, heads, dim] tensor whose last dimension is contiguous (the model's q, k
+// and v are slices of the conv output: read in place, never copied).
+template <typename T>
+struct Rows {
+  T* data;
+  int64_t token_stride, head_stride;
+  explicit Rows(const at::Tensor& x)
+      : data(reinterpret_cast<T*>(x.data_ptr())), token_stride(x.stride(1)), head_stride(x.stride(2)) {}
+  T* at(int64_t t, int64_t h) const { return data + t * token_stride + h * head_stride; }
+};
+
+template <typename T>
 struct Inputs {
-  const float *q, *k, *v, *g, *beta;  // float32 copies, [T, H, K], [T, H, K], [T, HV, V], [T, HV], [T, HV]
+  Rows<T> q, k, v, o;         // [1, T, H, K], [1, T, H, K], [1, T, HV, V], the output [1, T, HV, V]
+  const float *g, *beta;      // [T, HV]
   int64_t tokens, k_heads, v_heads, k_dim, v_dim;
   float scale;
 };
@@ -176,7 +192,8 @@ void forward_substitute(const float* a, float* x, int64_t V) {
 }
 
 // Key head h over all chunks: its value heads' states (states[r], [K, V]) updated in place, o [T, HV, V].
-void key_head(const Inputs& in, int64_t h, float* const* states, float* o, Scratch& s) {
+template <typename T>
+void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) {
   const int64_t K = in.k_dim, V = in.v_dim, group = in.v_heads / in.k_heads;
   float* keys = s.kq.data();                 // [C, K]
   float* queries = s.kq.data() + kChunk * K;  // [C, K], scaled
@@ -184,8 +201,8 @@ void key_head(const Inputs& in, int64_t h, float* const* states, float* o, Scrat
     const int64_t n = std::min(kChunk, in.tokens - t0);
     std::fill(s.kq.begin(), s.kq.end(), 0.0f);  // a partial chunk: zero rows past n
     for (int64_t i = 0; i < n; ++i) {
-      normalise(in.k + ((t0 + i) * in.k_heads + h) * K, K, 1.0f, keys + i * K);
-      normalise(in.q + ((t0 + i) * in.k_heads + h) * K, K, in.scale, queries + i * K);
+      normalise(in.k.at(t0 + i, h), K, 1.0f, keys + i * K);
+      normalise(in.q.at(t0 + i, h), K, in.scale, queries + i * K);
     }
     for (int64_t i = 0; i < kChunk; ++i)
       for (int64_t d = 0; d < K; ++d) s.k_t[d * kChunk + i] = keys[i * K + d];
@@ -214,15 +231,22 @@ void key_head(const Inputs& in, int64_t h, float* const* states, float* o, Scrat
       // x = (I + A)^-1 diag(beta) (v - e^c k S), row by row (forward substitution)
       for (int64_t i = 0; i < kChunk; ++i) {
         float* xi = s.x.data() + i * V;
-        const float* vi = in.v + ((t0 + i) * in.v_heads + hv) * V;
-        for (int64_t d = 0; d < V; ++d) xi[d] = i < n ? beta[i] * (vi[d] - exp_cum[i] * k_reads[i * V + d]) : 0.0f;
+        if (i >= n) {
+          std::fill_n(xi, V, 0.0f);
+          continue;
+        }
+        const T* vi = in.v.at(t0 + i, hv);
+        for (int64_t d = 0; d < V; ++d) xi[d] = beta[i] * (float(vi[d]) - exp_cum[i] * k_reads[i * V + d]);
       }
       forward_substitute(s.a.data(), s.x.data(), V);
       // o = e^c q S + attn x
       for (int64_t i = 0; i < kChunk; ++i)
         for (int64_t d = 0; d < V; ++d) q_reads[i * V + d] *= exp_cum[i];
       gemm(kChunk, V, kChunk, s.attn.data(), kChunk, 1, s.x.data(), V, q_reads, V, true, true);
-      for (int64_t i = 0; i < n; ++i) std::copy_n(q_reads + i * V, V, o + ((t0 + i) * in.v_heads + hv) * V);
+      for (int64_t i = 0; i < n; ++i) {
+        T* oi = in.o.at(t0 + i, hv);
+        for (int64_t d = 0; d < V; ++d) oi[d] = T(q_reads[i * V + d]);
+      }
       // S <- e^(c_last) S + K^T (e^(c_last - c) x)
       const float last = float(cum[kChunk - 1]);
       for (int64_t i = 0; i < kChunk; ++i) {
@@ -253,23 +277,29 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t layer = cache_idx.item<int64_t>(), row_slot = slot.item<int64_t>();
   TORCH_CHECK(layer >= 0 && layer < recurrent_state.size(0) && row_slot >= 0 && row_slot < recurrent_state.size(1),
               "gdn_prefill_chunk: layer ", layer, " or slot ", row_slot, " out of range");
-  const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
-  const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
-  const at::Tensor bf = beta.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options().dtype(at::kFloat));
-  const Inputs in{qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), gf.data_ptr<float>(),
-                  bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim, float(scale)};
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "gdn_prefill_chunk: q, k and v must have one dtype");
+  const auto last_contiguous = [](const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); };
+  const at::Tensor qc = last_contiguous(q), kc = last_contiguous(k), vc = last_contiguous(v);
+  const at::Tensor gf = g.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options());
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
-  float* first_state = recurrent_state.data_ptr<float>() + ((layer * recurrent_state.size(1) + row_slot) * v_heads) * state_size;
-  at::parallel_for(0, k_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(k_dim, v_dim);
-    std::vector<float*> states(group);
-    for (int64_t h = begin; h < end; ++h) {
-      for (int64_t r = 0; r < group; ++r) states[r] = first_state + (h * group + r) * state_size;
-      key_head(in, h, states.data(), out.data_ptr<float>(), scratch);
-    }
+  float* first_state =
+      recurrent_state.data_ptr<float>() + ((layer * recurrent_state.size(1) + row_slot) * v_heads) * state_size;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "gdn_prefill_chunk", [&] {
+    const Inputs<scalar_t> in{Rows<scalar_t>(qc), Rows<scalar_t>(kc), Rows<scalar_t>(vc), Rows<scalar_t>(out),
+                              gf.data_ptr<float>(), bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim,
+                              float(scale)};
+    at::parallel_for(0, k_heads, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(k_dim, v_dim);
+      std::vector<float*> states(group);
+      for (int64_t h = begin; h < end; ++h) {
+        for (int64_t r = 0; r < group; ++r) states[r] = first_state + (h * group + r) * state_size;
+        key_head(in, h, states.data(), scratch);
+      }
+    });
   });
-  return out.to(v.scalar_type());
+  return out;
 }
 
 }  // namespace
