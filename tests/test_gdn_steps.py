@@ -134,13 +134,19 @@ def test_prefill_chunk_padding_leaves_the_state_at_the_last_real_token(name: str
 
 @pytest.mark.parametrize("name", list(CHUNKS))
 def test_prefill_chunk_reads_slices_of_the_conv_output_in_place(name: str) -> None:
-    """q, k, v as the model passes them (bf16 slices of one [1, T, 2 H K + HV V] tensor): the same output
-    and state as from contiguous copies."""
+    """q, k, v as the model passes them (bf16 slices of the channel-major conv output): the same output and
+    state as from contiguous copies."""
     inputs = make_gdn_inputs(1, 90, 2, 4, 32, 32, dtype=torch.bfloat16, seed=4, normalize_qk=False)
-    mixed = torch.cat([inputs[n].flatten(2) for n in ("q", "k", "v")], -1)
+    # channel-major, as the conv output [1, channels, T] transposed
+    mixed = (
+        torch.cat([inputs[n].flatten(2) for n in ("q", "k", "v")], -1)
+        .transpose(1, 2)
+        .contiguous()
+        .transpose(1, 2)
+    )
     q, k, v = mixed.split([64, 64, 128], dim=-1)
     sliced = (q.view(1, 90, 2, 32), k.view(1, 90, 2, 32), v.view(1, 90, 4, 32))
-    assert not sliced[0].is_contiguous()
+    assert sliced[0].stride(1) == 1
     states = torch.randn(1, 2, 4, 32, 32, generator=torch.Generator().manual_seed(3))
     copies = states.clone()
     slot = torch.tensor([0])

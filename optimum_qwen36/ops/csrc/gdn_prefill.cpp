@@ -5,7 +5,7 @@
 // overwritten with the state after the last token. Tokens past the real ones must carry g = 0 and beta = 0
 // (then they leave S untouched). q and k are L2-normalised (eps 1e-6) and q scaled, as
 // `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype; q, k and v are read where they lie
-// (any strides but a contiguous last dimension).
+// (any strides).
 //
 // The chunked form of the PyTorch twin (nki/kernels/chunk_gated_delta_rule_torch.py), on chunks of kChunk
 // tokens, per key head (its HV / H value heads share the key-head work: normalised q and k, K K^T, Q K^T):
@@ -99,24 +99,39 @@ void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_r
   }
 }
 
-// x / sqrt(sum(x^2) + eps) * factor, n values, into out (float32).
-template <typename T>
-void normalise(const T* x, int64_t n, float factor, float* out) {
+// x <- x / sqrt(sum(x^2) + eps) * factor, n values.
+void normalise(float* x, int64_t n, float factor) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += float(x[i]) * float(x[i]);
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   const float inv = factor / std::sqrt(sum + kNormEps);
-  for (int64_t i = 0; i < n; ++i) out[i] = float(x[i]) * inv;
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
-// Row (token t, head h) of a [1, T, heads, dim] tensor whose last dimension is contiguous (the model's q, k
-// and v are slices of the conv output: read in place, never copied).
+// Element (token t, head h, d) of a [1, T, heads, dim] tensor of any strides: the model's q, k and v are
+// slices of the conv output, which is channel-major (token stride 1); they are read in place, never copied.
 template <typename T>
 struct Rows {
   T* data;
-  int64_t token_stride, head_stride;
+  int64_t token_stride, head_stride, dim_stride;
   explicit Rows(const at::Tensor& x)
-      : data(reinterpret_cast<T*>(x.data_ptr())), token_stride(x.stride(1)), head_stride(x.stride(2)) {}
+      : data(reinterpret_cast<T*>(x.data_ptr())),
+        token_stride(x.stride(1)),
+        head_stride(x.stride(2)),
+        dim_stride(x.stride(3)) {}
   T* at(int64_t t, int64_t h) const { return data + t * token_stride + h * head_stride; }
+
+  // rows [t0, t0 + n) of head h as float32 [n, dim] (row stride dim), in the order the memory is laid out.
+  void load(int64_t t0, int64_t n, int64_t h, int64_t dim, float* out) const {
+    if (dim_stride == 1 || token_stride != 1) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < dim; ++d) out[i * dim + d] = float(at(t0 + i, h)[d * dim_stride]);
+    } else {  // channel-major: consecutive tokens are neighbours
+      for (int64_t d = 0; d < dim; ++d) {
+        const T* column = at(t0, h) + d * dim_stride;
+        for (int64_t i = 0; i < n; ++i) out[i * dim + d] = float(column[i]);
+      }
+    }
+  }
 };
 
 template <typename T>
@@ -200,9 +215,11 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
   for (int64_t t0 = 0; t0 < in.tokens; t0 += kChunk) {
     const int64_t n = std::min(kChunk, in.tokens - t0);
     std::fill(s.kq.begin(), s.kq.end(), 0.0f);  // a partial chunk: zero rows past n
+    in.k.load(t0, n, h, K, keys);
+    in.q.load(t0, n, h, K, queries);
     for (int64_t i = 0; i < n; ++i) {
-      normalise(in.k.at(t0 + i, h), K, 1.0f, keys + i * K);
-      normalise(in.q.at(t0 + i, h), K, in.scale, queries + i * K);
+      normalise(keys + i * K, K, 1.0f);
+      normalise(queries + i * K, K, in.scale);
     }
     for (int64_t i = 0; i < kChunk; ++i)
       for (int64_t d = 0; d < K; ++d) s.k_t[d * kChunk + i] = keys[i * K + d];
@@ -236,7 +253,8 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
           continue;
         }
         const T* vi = in.v.at(t0 + i, hv);
-        for (int64_t d = 0; d < V; ++d) xi[d] = beta[i] * (float(vi[d]) - exp_cum[i] * k_reads[i * V + d]);
+        for (int64_t d = 0; d < V; ++d)
+          xi[d] = beta[i] * (float(vi[d * in.v.dim_stride]) - exp_cum[i] * k_reads[i * V + d]);
       }
       forward_substitute(s.a.data(), s.x.data(), V);
       // o = e^c q S + attn x
@@ -279,15 +297,13 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
               "gdn_prefill_chunk: layer ", layer, " or slot ", row_slot, " out of range");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "gdn_prefill_chunk: q, k and v must have one dtype");
-  const auto last_contiguous = [](const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); };
-  const at::Tensor qc = last_contiguous(q), kc = last_contiguous(k), vc = last_contiguous(v);
   const at::Tensor gf = g.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options());
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
   float* first_state =
       recurrent_state.data_ptr<float>() + ((layer * recurrent_state.size(1) + row_slot) * v_heads) * state_size;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "gdn_prefill_chunk", [&] {
-    const Inputs<scalar_t> in{Rows<scalar_t>(qc), Rows<scalar_t>(kc), Rows<scalar_t>(vc), Rows<scalar_t>(out),
+    const Inputs<scalar_t> in{Rows<scalar_t>(q), Rows<scalar_t>(k), Rows<scalar_t>(v), Rows<scalar_t>(out),
                               gf.data_ptr<float>(), bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim,
                               float(scale)};
     at::parallel_for(0, k_heads, 1, [&](int64_t begin, int64_t end) {
