@@ -102,3 +102,35 @@ def test_mutation_through_a_view_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CopyingMutationError, match="index_put_"):
         compile_method(ToyStep(), "step_through_views", _args(), tmp_path / "never.pt2")
     assert not (tmp_path / "never.pt2").exists()
+
+
+@torch.library.custom_op("optimum_qwen36_test::scale_rows_", mutates_args=("table",))
+def _scale_rows_(table: torch.Tensor, rows: torch.Tensor, factor: float) -> None:
+    table[rows] *= factor
+
+
+class CustomOpWriter(nn.Module):
+    """Writes a state tensor through a mutating custom op: on the whole tensor, or on a view of it."""
+
+    def whole(self, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        _scale_rows_(table, rows, 2.0)
+        return rows + 1
+
+    def view(self, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        _scale_rows_(table[1], rows, 2.0)
+        return rows + 1
+
+
+def test_a_custom_op_writing_a_whole_input_is_in_place_and_a_view_is_refused(tmp_path: Path) -> None:
+    """As optimum_qwen36::gdn_decode_step writes the cache's states: accepted (Inductor re-inplaces it, the
+    caller's tensor is written); the same op on a view of the input would be copied whole: refused."""
+    rows = torch.tensor([0, 2])
+    compile_method(CustomOpWriter(), "whole", (torch.ones(3, 4, 5), rows), tmp_path / "whole.pt2")
+    graph = CompiledGraph(tmp_path / "whole.pt2", {})
+    table = torch.ones(3, 4, 5)
+    graph(table, rows)
+    expected = torch.ones(3, 4, 5)
+    expected[rows] *= 2.0
+    assert torch.equal(table, expected)
+    with pytest.raises(CopyingMutationError, match=r"input 0|table"):
+        compile_method(CustomOpWriter(), "view", (torch.ones(3, 4, 5), rows), tmp_path / "view.pt2")

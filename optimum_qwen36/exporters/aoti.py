@@ -79,7 +79,8 @@ def _custom_op_written_base(node: torch.fx.Node) -> torch.fx.Node | None:
         return None
     if any(key.endswith(("_size", "_stride", "_storage_offset")) for key in functional.kwargs):
         return None
-    base = index - len(functional.args[0]._schema.returns)
+    # A custom op that returns nothing still has one (None) output before its bases.
+    base = index - max(1, len(functional.args[0]._schema.returns))
     return functional.kwargs["_all_bases"][base] if base >= 0 else None
 
 
