@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .native import layer_index
+
 # (query [B, T, H, D], key_cache, value_cache [L, blocks, block_size, KVH, D], cache_idx, block_tables
 # [B, max_blocks], positions [B, T], scale) -> [B, T, H, D]
 PagedAttention = Callable[
@@ -61,8 +63,6 @@ def paged_attention_native(
     scale: float,
 ) -> torch.Tensor:
     """The native op (load it first: `ops.native.load_native_ops()`)."""
-    if isinstance(cache_idx, int):
-        cache_idx = torch.tensor([cache_idx], device=query.device)
     return torch.ops.optimum_qwen36.paged_attention(
-        query, key_cache, value_cache, cache_idx, block_tables, positions, scale
+        query, key_cache, value_cache, layer_index(cache_idx, query.device), block_tables, positions, scale
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..nki import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .native import layer_index
 
 # (q, k, v, g, beta, recurrent_state, cache_idx, slots, scale) -> o
 GDNStep = Callable[..., torch.Tensor]
@@ -67,7 +68,7 @@ def gdn_decode_step_native(
 ) -> torch.Tensor:
     """The native op (load it first: `ops.native.load_native_ops()`)."""
     op = torch.ops.optimum_qwen36.gdn_decode_step
-    return op(q, k, v, g, beta, recurrent_state, _index_tensor(cache_idx, q.device), slots, scale)
+    return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, scale)
 
 
 def gdn_prefill_chunk_torch(
@@ -105,8 +106,4 @@ def gdn_prefill_chunk_native(
     if q.shape[-1] % 16 or v.shape[-1] % 16:
         return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
     op = torch.ops.optimum_qwen36.gdn_prefill_chunk
-    return op(q, k, v, g, beta, recurrent_state, _index_tensor(cache_idx, q.device), slots, scale)
-
-
-def _index_tensor(cache_idx: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.tensor([cache_idx], device=device) if isinstance(cache_idx, int) else cache_idx
+    return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, scale)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp", "gdn_prefill.cpp")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
-FILES = (*SOURCES, Path(__file__).parent / "csrc" / "vec_math.h")
+FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h")))
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
@@ -55,6 +55,12 @@ def bf16_linear_is_fast() -> bool:
     and `gdn_prefill_chunk`'s scalar fallbacks are slower than ATen's matrix product and the compiled
     PyTorch twin, so callers then keep those."""
     return BF16_FLAGS["avx512_bf16"] in build_flags() and load_native_ops()
+
+
+def layer_index(cache_idx: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A cache entry index as the native ops take it: an int64 tensor [1] (a graph shared by layers already
+    passes one)."""
+    return torch.tensor([cache_idx], device=device) if isinstance(cache_idx, int) else cache_idx
 
 
 def extension_name() -> str:

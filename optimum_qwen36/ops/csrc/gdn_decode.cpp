@@ -11,21 +11,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "gdn_state.h"
+
 namespace {
-
-constexpr float kNormEps = 1e-6f;
-
-// x / sqrt(sum(x^2) + eps) * factor into out (n values).
-void normalise(const float* x, int64_t n, float factor, float* out) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv = factor / std::sqrt(sum + kNormEps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
-}
 
 at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, at::Tensor recurrent_state, const at::Tensor& cache_idx,
@@ -36,32 +29,28 @@ at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t v_heads = v.size(1), v_dim = v.size(2);
   TORCH_CHECK(v_heads % k_heads == 0, "gdn_decode_step: value heads must be a multiple of key heads");
   TORCH_CHECK(g.sizes() == v.sizes().slice(0, 2) && beta.sizes() == g.sizes(), "gdn_decode_step: g, beta [B, HV]");
-  TORCH_CHECK(recurrent_state.scalar_type() == at::kFloat && recurrent_state.is_contiguous() &&
-                  recurrent_state.dim() == 5 && recurrent_state.size(2) == v_heads &&
-                  recurrent_state.size(3) == k_dim && recurrent_state.size(4) == v_dim,
-              "gdn_decode_step: recurrent_state must be a contiguous float32 [L, slots, HV, K, V]");
+  optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_decode_step");
   TORCH_CHECK(cache_idx.numel() == 1 && slots.numel() == batch, "gdn_decode_step: one layer, one slot per row");
-  const int64_t layer = cache_idx.item<int64_t>(), num_slots = recurrent_state.size(1);
-  TORCH_CHECK(layer >= 0 && layer < recurrent_state.size(0), "gdn_decode_step: layer ", layer, " out of range");
+  const int64_t layer = cache_idx.item<int64_t>();
   const at::Tensor slot = slots.to(at::kLong).contiguous();
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t s = slot.data_ptr<int64_t>()[b];
-    TORCH_CHECK(s >= 0 && s < num_slots, "gdn_decode_step: slot ", s, " out of range");
-  }
+  std::vector<float*> row_states(batch);
+  for (int64_t b = 0; b < batch; ++b)
+    row_states[b] = optimum_qwen36::slot_state(recurrent_state, layer, slot.data_ptr<int64_t>()[b], "gdn_decode_step");
   const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
   const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
   const at::Tensor bf = beta.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({batch, v_heads, v_dim}, v.options().dtype(at::kFloat));
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
-  float* states = recurrent_state.data_ptr<float>() + layer * num_slots * v_heads * state_size;
 
   at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qn(k_dim), kn(k_dim), reads_k(v_dim), reads_q(v_dim), delta(v_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;
-      normalise(qf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, float(scale), qn.data());
-      normalise(kf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, 1.0f, kn.data());
-      float* state = states + (slot.data_ptr<int64_t>()[b] * v_heads + hv) * state_size;
+      std::copy_n(qf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, qn.data());
+      std::copy_n(kf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, kn.data());
+      optimum_qwen36::normalise(qn.data(), k_dim, float(scale));
+      optimum_qwen36::normalise(kn.data(), k_dim, 1.0f);
+      float* state = row_states[b] + hv * state_size;
       const float decay = std::exp(gf.data_ptr<float>()[i]), b_i = bf.data_ptr<float>()[i];
       // k^T S and q^T S, one pass over S
       std::fill(reads_k.begin(), reads_k.end(), 0.0f);

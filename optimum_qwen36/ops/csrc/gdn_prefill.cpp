@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gdn_state.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
@@ -39,7 +40,6 @@ namespace {
 
 constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;  // rows per register block
-constexpr float kNormEps = 1e-6f;
 
 // c[i][0 .. 16 NV) = (accumulate ? c[i] : 0) + sum over j < depth of a(i, j) b[j][0 .. 16 NV), for i < kRows;
 // a(i, j) = a[i * a_row + j * a_col].
@@ -97,14 +97,6 @@ void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_r
       }
     }
   }
-}
-
-// x <- x / sqrt(sum(x^2) + eps) * factor, n values.
-void normalise(float* x, int64_t n, float factor) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv = factor / std::sqrt(sum + kNormEps);
-  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
 // Element (token t, head h, d) of a [1, T, heads, dim] tensor of any strides: the model's q, k and v are
@@ -218,8 +210,8 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
     in.k.load(t0, n, h, K, keys);
     in.q.load(t0, n, h, K, queries);
     for (int64_t i = 0; i < n; ++i) {
-      normalise(keys + i * K, K, 1.0f);
-      normalise(queries + i * K, K, in.scale);
+      optimum_qwen36::normalise(keys + i * K, K, 1.0f);
+      optimum_qwen36::normalise(queries + i * K, K, in.scale);
     }
     for (int64_t i = 0; i < kChunk; ++i)
       for (int64_t d = 0; d < K; ++d) s.k_t[d * kChunk + i] = keys[i * K + d];
@@ -287,21 +279,15 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(v_heads % k_heads == 0, "gdn_prefill_chunk: value heads must be a multiple of key heads");
   TORCH_CHECK(k_dim % 16 == 0 && v_dim % 16 == 0, "gdn_prefill_chunk: head sizes must be multiples of 16");
   TORCH_CHECK(g.sizes() == v.sizes().slice(0, 3) && beta.sizes() == g.sizes(), "gdn_prefill_chunk: g, beta [1, T, HV]");
-  TORCH_CHECK(recurrent_state.scalar_type() == at::kFloat && recurrent_state.is_contiguous() &&
-                  recurrent_state.dim() == 5 && recurrent_state.size(2) == v_heads &&
-                  recurrent_state.size(3) == k_dim && recurrent_state.size(4) == v_dim,
-              "gdn_prefill_chunk: recurrent_state must be a contiguous float32 [L, slots, HV, K, V]");
+  optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_prefill_chunk");
   TORCH_CHECK(cache_idx.numel() == 1 && slot.numel() == 1, "gdn_prefill_chunk: one layer and one slot");
-  const int64_t layer = cache_idx.item<int64_t>(), row_slot = slot.item<int64_t>();
-  TORCH_CHECK(layer >= 0 && layer < recurrent_state.size(0) && row_slot >= 0 && row_slot < recurrent_state.size(1),
-              "gdn_prefill_chunk: layer ", layer, " or slot ", row_slot, " out of range");
+  float* first_state =
+      optimum_qwen36::slot_state(recurrent_state, cache_idx.item<int64_t>(), slot.item<int64_t>(), "gdn_prefill_chunk");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "gdn_prefill_chunk: q, k and v must have one dtype");
   const at::Tensor gf = g.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options());
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
-  float* first_state =
-      recurrent_state.data_ptr<float>() + ((layer * recurrent_state.size(1) + row_slot) * v_heads) * state_size;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "gdn_prefill_chunk", [&] {
     const Inputs<scalar_t> in{Rows<scalar_t>(q), Rows<scalar_t>(k), Rows<scalar_t>(v), Rows<scalar_t>(out),
                               gf.data_ptr<float>(), bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim,
