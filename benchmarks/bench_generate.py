@@ -166,15 +166,22 @@ class CompileLog(logging.Handler):
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith(("Compil", "Reusing")):
+        if record.getMessage().startswith(("Compil", "Export", "Reusing")):
             self.records.append(record)
 
     def summary(self) -> dict:
-        graphs = {}
+        graphs: dict[str, dict] = {}
         for r in self.records:
-            # exporters/aoti.py: "Compiled %s.%s to %s: export %.1fs, AOTInductor %.1fs"
-            if r.msg.startswith("Compiled %s.%s to %s") and isinstance(r.args, tuple) and len(r.args) == 5:
-                graphs[Path(str(r.args[2])).stem] = {"export_s": r.args[3], "aoti_s": r.args[4]}
+            # regions.py "Exported %s in %.1f s", compile_workers.py "Compiled %s in %.1f s" (with
+            # " (worker process)" when a worker compiled it); %s is the package's file name.
+            if not (isinstance(r.args, tuple) and len(r.args) == 2 and str(r.args[0]).endswith(".pt2")):
+                continue
+            graph = graphs.setdefault(Path(str(r.args[0])).stem, {})
+            if r.msg.startswith("Exported %s in"):
+                graph["export_s"] = r.args[1]
+            elif r.msg.startswith("Compiled %s in"):
+                graph["aoti_s"] = r.args[1]
+                graph["in_worker_process"] = r.msg.endswith("(worker process)")
         return {
             "compiled": any(r.getMessage().startswith("Compiling") for r in self.records),
             "graphs": graphs,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from timing import alternate, command_line, fmt, machine, paired_ratios, rates, wall
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear
-from optimum_qwen36.ops.native import bf16_linear_is_fast
+from optimum_qwen36.ops.native import avx512_kernels_built
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
@@ -52,7 +52,7 @@ def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dic
     inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
     total = sum(w.numel() * w.element_size() for w in weights)
     ways = [("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)]
-    if weights[0].dtype == torch.bfloat16 and bf16_linear_is_fast():
+    if weights[0].dtype == torch.bfloat16 and avx512_kernels_built():
         ways.append(("bf16_linear", native_linear))
     measures = {}
     for name, linear in ways:

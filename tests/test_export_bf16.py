@@ -124,7 +124,7 @@ def test_bf16_cpu_backend_within_documented_tolerance(bf16, ours: str, reference
 
 
 def test_bf16_saved_artifact_reloads_identically(bf16, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(regions, "compile_method", lambda *a, **k: pytest.fail("compiled at load"))
+    monkeypatch.setattr(regions, "CompilePool", lambda *a, **k: pytest.fail("compiled at load"))
     saved = bf16["root"] / "saved"
     bf16["model"].save_pretrained(saved)
     loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)

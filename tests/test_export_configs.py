@@ -122,7 +122,7 @@ def no_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("compiled although the graphs should have been reused")
 
-    monkeypatch.setattr(regions, "compile_method", refuse)
+    monkeypatch.setattr(regions, "CompilePool", refuse)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -54,7 +54,7 @@ def no_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("compiled although the graphs should have been reused")
 
-    monkeypatch.setattr(regions, "compile_method", refuse)
+    monkeypatch.setattr(regions, "CompilePool", refuse)
 
 
 def _greedy(model, **kwargs) -> torch.Tensor:
@@ -99,7 +99,7 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters import backends, regions
 def refuse(*args, **kwargs):
     raise AssertionError("compiled at load")
-regions.compile_method = refuse
+regions.CompilePool = refuse
 model = NeuronQwen36ForCausalLM.from_pretrained({str(saved)!r})
 ids, mask = left_padded_prompts({PROMPT_LENGTHS}, seed=1)
 out = model.generate(ids, attention_mask=mask, max_new_tokens={NEW_TOKENS}, do_sample=False)

@@ -12,7 +12,7 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
 from optimum_qwen36.exporters.backends import AOTIBackend, decode_linears_mode, example_step_args
 from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear
-from optimum_qwen36.ops.native import bf16_linear_is_fast, load_native_ops
+from optimum_qwen36.ops.native import avx512_kernels_built, load_native_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,7 +71,7 @@ def test_bf16_linear_of_a_non_contiguous_input() -> None:
     assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x, weight, None), expected)
 
 
-@pytest.mark.skipif(not bf16_linear_is_fast(), reason="no AVX-512 BF16 here: bf16 decode keeps F.linear")
+@pytest.mark.skipif(not avx512_kernels_built(), reason="no AVX-512 BF16 here: bf16 decode keeps F.linear")
 def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     """On a CPU with AVX-512 BF16, the batched bf16 decode step calls the kernel for every projection;
     prefill keeps ATen's matrix product; a float32 model keeps F.linear in the batched step."""

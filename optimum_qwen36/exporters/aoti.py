@@ -118,13 +118,42 @@ def compile_method(
     dynamic_shapes: Sequence[Any] | None = None,
     tracing_mode: TorchFunctionMode | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Export `model.<method>(*example_args)` and compile it to `package_path` (.pt2). Shapes are static
-    except where `dynamic_shapes` (one entry per argument, as for `torch.export`) says otherwise; the method
-    is traced within `tracing_mode` if one is given (e.g. `matvec.DecodeLinears`).
-
-    Returns the tensors the package expects to be bound at load (weights, buffers, lifted constants), by
-    the model's own names. Raises CopyingMutationError if an input mutation would copy the whole input."""
+    """Export `model.<method>(*example_args)` and compile it to `package_path` (.pt2): `export_method`, then
+    `package_program`, then `bound_constants`."""
     start = time.perf_counter()
+    program = export_method(
+        model,
+        method,
+        example_args,
+        allow_copying_mutations=allow_copying_mutations,
+        dynamic_shapes=dynamic_shapes,
+        tracing_mode=tracing_mode,
+    )
+    package_program(program, package_path, inductor_configs)
+    logger.info(
+        "Compiled %s.%s to %s in %.1f s",
+        type(model).__name__,
+        method,
+        package_path,
+        time.perf_counter() - start,
+    )
+    return bound_constants(program, package_path)
+
+
+def export_method(
+    model: nn.Module,
+    method: str,
+    example_args: Sequence[torch.Tensor],
+    *,
+    allow_copying_mutations: bool = False,
+    dynamic_shapes: Sequence[Any] | None = None,
+    tracing_mode: TorchFunctionMode | None = None,
+) -> torch.export.ExportedProgram:
+    """`torch.export` of `model.<method>(*example_args)`. Shapes are static except where `dynamic_shapes`
+    (one entry per argument, as for `torch.export`) says otherwise; the method is traced within
+    `tracing_mode` if one is given (e.g. `matvec.DecodeLinears`).
+
+    Raises CopyingMutationError if an input mutation would copy the whole input."""
     with torch.no_grad(), tracing_mode or contextlib.nullcontext():
         program = torch.export.export(
             _MethodAsForward(model, method),
@@ -133,7 +162,6 @@ def compile_method(
             dynamic_shapes=None if dynamic_shapes is None else (tuple(dynamic_shapes),),
             strict=False,
         )
-    exported = time.perf_counter()
     offenders = copied_mutations(program)
     if offenders and not allow_copying_mutations:
         params = list(inspect.signature(getattr(model, method)).parameters)
@@ -147,12 +175,30 @@ def compile_method(
             "whole tensor, e.g. cache.index_put_((layer_index, block, offset), values), not "
             "cache[layer].index_copy_(...)."
         )
+    return program
+
+
+def package_program(
+    program: torch.export.ExportedProgram,
+    package_path: str | os.PathLike,
+    inductor_configs: Mapping[str, Any] | None = None,
+) -> None:
+    """AOTInductor-compile `program` to `package_path` (.pt2), with DEFAULT_INDUCTOR_CONFIGS under
+    `inductor_configs`."""
     configs = {**DEFAULT_INDUCTOR_CONFIGS, **(inductor_configs or {})}
     Path(package_path).parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(package_path), inductor_configs=configs
         )
+
+
+def bound_constants(
+    program: torch.export.ExportedProgram, package_path: str | os.PathLike
+) -> dict[str, torch.Tensor]:
+    """The tensors the package compiled from `program` expects to be bound at load (weights, buffers,
+    lifted constants), by the model's own names. Raises BakedInTensorError if the package holds the values
+    of some parameter or buffer instead."""
     tensors = {**program.state_dict, **program.constants}
     # Parameters and buffers must be bound at load; constants the traced code made itself may be inlined.
     signature = program.graph_signature
@@ -166,18 +212,10 @@ def compile_method(
     )
     if baked_in:
         raise BakedInTensorError(
-            f"The compiled {type(model).__name__}.{method} holds the values of {baked_in[:8]} instead of "
-            "taking them at load: it would compute with these values for any checkpoint. Compile with "
-            "inductor config always_keep_tensor_constants=True."
+            f"The compiled graph {package_path} holds the values of {baked_in[:8]} instead of taking them "
+            "at load: it would compute with these values for any checkpoint. Compile with inductor config "
+            "always_keep_tensor_constants=True."
         )
-    logger.info(
-        "Compiled %s.%s to %s: export %.1fs, AOTInductor %.1fs",
-        type(model).__name__,
-        method,
-        package_path,
-        exported - start,
-        time.perf_counter() - exported,
-    )
     return {_unwrapped(name): t.detach() for name, t in tensors.items() if isinstance(t, torch.Tensor)}
 
 

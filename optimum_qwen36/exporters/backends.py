@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
@@ -33,12 +32,12 @@ from ..ops.gdn import (
     gdn_prefill_chunk_native,
     gdn_prefill_chunk_torch,
 )
-from ..ops.native import bf16_linear_is_fast, load_native_ops
+from ..ops.native import avx512_kernels_built, load_native_ops
 from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, rows_blocks_in_use
 from .compile_cache import CompileCache, compile_key
 from .matvec import DecodeLinears
-from .regions import compile_step, load_step, step_files
+from .regions import compile_regions, load_step, step_files
 
 logger = logging.getLogger(__name__)
 
@@ -295,19 +294,19 @@ def _compile_graphs(
     the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN layers
     `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
     prefill_chunk are traced as matvec.DecodeLinears says."""
-    extra: dict[str, torch.Tensor] = {}
     total = time.perf_counter()
-    native_bf16 = cpu_kernels and bf16_linear_is_fast()
+    native_bf16 = cpu_kernels and avx512_kernels_built()
     if cpu_kernels and load_native_ops():
         # The chunked delta rule's scalar build (no AVX-512) is slower than the compiled PyTorch twin.
         chunk_step = gdn_prefill_chunk_native if native_bf16 else gdn_prefill_chunk_torch
         model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step)
     try:
-        for step, args in tqdm(graphs.items(), desc="Compiling steps", unit="step", disable=None):
-            start = time.perf_counter()
-            mode = decode_linears_mode(step, native_bf16) if cpu_kernels else None
-            extra.update(compile_step(model, step, args, out_dir, tracing_mode=mode))
-            logger.info("Compiled %s in %.1f s", step, time.perf_counter() - start)
+        extra = compile_regions(
+            model,
+            graphs,
+            out_dir,
+            lambda step: decode_linears_mode(step, native_bf16) if cpu_kernels else None,
+        )
     finally:
         model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
     if extra:

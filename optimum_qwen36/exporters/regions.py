@@ -25,7 +25,9 @@ keeps some layer's MLP unquantized gives that layer a kind of its own).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
-from .aoti import CompiledGraph, compile_method
+from .aoti import CompiledGraph, export_method
+from .compile_workers import CompilePool, default_workers
+
+logger = logging.getLogger(__name__)
 
 # The StepInputs fields each mixer reads (the others are None in its graph); decode steps have no
 # valid / num_valid.
@@ -311,17 +316,54 @@ def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
     return {axis: dim for axis, dim in dims.items() if dim is not None} or None
 
 
-def compile_step(
+def export_step(
     model: Qwen36ForCausalLM,
     step: str,
     step_args: tuple[torch.Tensor, ...],
     out_dir: Path,
     tracing_mode: TorchFunctionMode | None = None,
-) -> dict[str, torch.Tensor]:
-    """Compile the regions of `step`, traced with its example arguments, to out_dir/<step>.<region>.pt2.
-    Returns the tensors the traced code made itself that must be bound at load, as "<file>/<name>"."""
+) -> Iterator[tuple[torch.export.ExportedProgram, Path]]:
+    """Export the regions of `step` with its example arguments, one at a time, each with its package path
+    out_dir/<step>.<region>.pt2 (see `compile_regions`)."""
     if step in MTP_STEPS:
-        return _compile_regions(step, [_mtp_region_args(model, step, step_args)], out_dir, tracing_mode)
+        regions = [_mtp_region_args(model, step, step_args)]
+    else:
+        regions = _layer_and_head_region_args(model, step, step_args)
+    for region, module, args, shapes in regions:
+        start = time.perf_counter()
+        program = export_method(module, "forward", args, dynamic_shapes=shapes, tracing_mode=tracing_mode)
+        logger.info("Exported %s in %.1f s", region_file(step, region), time.perf_counter() - start)
+        yield program, out_dir / region_file(step, region)
+
+
+def compile_regions(
+    model: Qwen36ForCausalLM,
+    steps: Mapping[str, tuple[torch.Tensor, ...]],
+    out_dir: Path,
+    tracing_mode_of: Callable[[str], TorchFunctionMode | None],
+) -> dict[str, torch.Tensor]:
+    """Export and compile the regions of each step (name -> example arguments) into out_dir, each step
+    traced within `tracing_mode_of(step)`. The graphs compile side by side as they are exported
+    (`compile_workers.CompilePool`). Returns the tensors the traced code made itself that must be bound at
+    load, as "<file>/<name>"."""
+    files = {file for step in steps for file in step_files(model, step)}
+    paths: list[Path] = []
+    with CompilePool(default_workers(len(files)), total=len(files)) as pool:
+        for step, args in steps.items():
+            for program, path in export_step(model, step, args, out_dir, tracing_mode_of(step)):
+                pool.submit(program, path)
+                paths.append(path)
+        bound = pool.finish()
+    return {
+        f"{path.name}/{name}": t.contiguous()
+        for path, constants in zip(paths, bound, strict=True)
+        for name, t in constants.items()
+    }
+
+
+def _layer_and_head_region_args(
+    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...]
+) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]]:
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
     dims = _dims(step, inputs, max_rows=step_args[0].shape[0])
@@ -335,7 +377,7 @@ def compile_step(
     if HEAD_OF[step] == step:
         head_args = (hidden, *model_weights(model, HEAD_WEIGHTS))
         regions.append((HEAD, head_region(model, step), head_args, [dims["hidden"], None, None]))
-    return _compile_regions(step, regions, out_dir, tracing_mode)
+    return regions
 
 
 def _mtp_region_args(
@@ -358,22 +400,6 @@ def _mtp_region_args(
         *[None] * len(names),
     ]
     return MTP, mtp_region(model), args, shapes
-
-
-def _compile_regions(
-    step: str,
-    regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]],
-    out_dir: Path,
-    tracing_mode: TorchFunctionMode | None,
-) -> dict[str, torch.Tensor]:
-    extra: dict[str, torch.Tensor] = {}
-    for region, module, args, shapes in regions:
-        file = region_file(step, region)
-        constants = compile_method(
-            module, "forward", args, out_dir / file, dynamic_shapes=shapes, tracing_mode=tracing_mode
-        )
-        extra.update({f"{file}/{name}": t.contiguous() for name, t in constants.items()})
-    return extra
 
 
 def load_step(

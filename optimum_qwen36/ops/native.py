@@ -50,7 +50,7 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *_all_or_none(BF16_FLAGS, flags)]
 
 
-def bf16_linear_is_fast() -> bool:
+def avx512_kernels_built() -> bool:
     """Whether the extension is built with its AVX-512 (BF16) paths here: `optimum_qwen36::bf16_linear`'s
     and `gdn_prefill_chunk`'s scalar fallbacks are slower than ATen's matrix product and the compiled
     PyTorch twin, so callers then keep those."""
