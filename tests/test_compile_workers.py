@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_worker_compiles_what_this_process_would(tmp_path: Path, caplog: pytest.
     )
     package_program(program, tmp_path / "here.pt2")
     assert bound_constants(program, tmp_path / "here.pt2").keys() == constants.keys()
+    assert _kernel_sources(tmp_path / "worker.pt2") == _kernel_sources(tmp_path / "here.pt2")
 
     outputs = {}
     for name in ("worker", "here"):
@@ -75,6 +77,29 @@ def test_worker_compiles_what_this_process_would(tmp_path: Path, caplog: pytest.
         expected = model(_args()[0], expected_cache, _args()[2])
     torch.testing.assert_close(outputs["worker"][0], expected, rtol=2e-2, atol=2e-2)
     assert outputs["worker"][1][[5, 7, 9]].abs().sum() > 0
+
+
+def _kernel_sources(package: Path) -> list[str]:
+    """The generated kernels' C++ without comment and blank lines (comments name the build directory)."""
+    with zipfile.ZipFile(package) as archive:
+        sources = [archive.read(n).decode() for n in archive.namelist() if n.endswith(".kernel.cpp")]
+    return sorted(
+        "\n".join(ln for ln in s.splitlines() if ln.strip() and not ln.startswith("//")) for s in sources
+    )
+
+
+def test_worker_compiles_with_this_process_inductor_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    program = export_method(
+        torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.SiLU()), "forward", (torch.randn(2, 8),)
+    )
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}), CompilePool(1, total=1) as pool:
+        pool.submit(program, tmp_path / "profiled.pt2")
+        _wait_for(caplog, "in worker process")
+        pool.finish()
+    assert "RAIIAtenRecordFunctionHandle" in "".join(_kernel_sources(tmp_path / "profiled.pt2"))
 
 
 def test_pool_compiles_in_this_process_without_workers(tmp_path: Path) -> None:

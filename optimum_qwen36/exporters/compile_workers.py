@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
+from . import aoti
 from .aoti import bound_constants, package_program
 
 logger = logging.getLogger(__name__)
@@ -82,13 +83,17 @@ class CompilePool:
     Use as a context manager: leaving it early (an export failed) stops the workers."""
 
     def __init__(self, workers: int, total: int, inductor_configs: Mapping[str, Any] | None = None) -> None:
-        self._configs = dict(inductor_configs or {})
+        # Resolved here: a worker compiles with this process's Inductor settings, whatever changed them.
+        self._configs = {**aoti.DEFAULT_INDUCTOR_CONFIGS, **(inductor_configs or {})}
         self._graphs: list[tuple[torch.export.ExportedProgram, Path, Path | None, list[str | None]]] = []
         self._pending: collections.deque[int] = collections.deque()
         self._submitted_all = False
         self._errors: list[BaseException] = []
         self._changed = threading.Condition()
         self._scratch = tempfile.TemporaryDirectory(prefix="optimum-qwen36-programs-")
+        self._inductor_config = Path(self._scratch.name) / "inductor_config.pickle"
+        if workers > 0:
+            self._inductor_config.write_bytes(torch._inductor.config.save_config())
         self._progress = tqdm(total=total, desc="Compiling graphs", unit="graph", disable=None)
         self._threads = [threading.Thread(target=self._drive_worker) for _ in range(max(workers, 0))]
         for thread in self._threads:
@@ -179,6 +184,7 @@ class CompilePool:
                     job = {
                         "program": str(saved),
                         "devices": devices,
+                        "inductor_config": str(self._inductor_config),
                         "package": str(path),
                         "configs": self._configs,
                         "native_ops": calls_native_ops(program),
@@ -266,6 +272,7 @@ def _serve() -> None:
 
                 if not load_native_ops():
                     raise RuntimeError("the native CPU kernels the program calls could not be loaded here")
+            torch._inductor.config.load_config(Path(job["inductor_config"]).read_bytes())
             program = torch.export.load(job["program"])
             _restore_example_inputs(program, job["devices"])
             package_program(program, job["package"], job["configs"])
