@@ -161,3 +161,27 @@ def test_parser_without_the_function_wrapper_is_not_fooled() -> None:
     parser = ToolCallParser([WEATHER_TOOL])
     parse = parser.parse("Plain answer with a < sign and <tool_ mention.")
     assert parse.content == "Plain answer with a < sign and <tool_ mention." and not parser.called
+
+
+def test_a_long_streamed_value_is_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter value streamed one character at a time is searched for its end as it grows (linear),
+    not re-parsed from its start on every delta (quadratic in the value's length)."""
+    from optimum_qwen36.server import tool_calls
+
+    matches = 0
+    pattern = tool_calls._PARAMETER
+
+    class Counting:
+        def match(self, text: str, position: int = 0):
+            nonlocal matches
+            matches += 1
+            return pattern.match(text, position)
+
+    monkeypatch.setattr(tool_calls, "_PARAMETER", Counting())
+    value = "line of a file\n" * 2000
+    call = "<tool_call>\n<function=write>\n<parameter=content>\n{}\n</parameter>\n</function>\n</tool_call>"
+    text = call.format(value)
+    parser = ToolCallParser([{"type": "function", "function": {"name": "write", "parameters": {}}}])
+    deltas = [d for ch in text for d in parser.feed(ch).deltas] + parser.finish().deltas
+    assert matches <= len("</parameter>") + 1
+    assert json.loads("".join(d.arguments for d in deltas)) == {"content": value}

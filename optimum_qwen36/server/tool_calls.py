@@ -26,6 +26,7 @@ from .reasoning import held_back
 
 CALL_START = "<tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
+PARAMETER_END = "</parameter>"
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 _CALL_END = re.compile(r"\s*(?:</function>\s*)?</tool_call>")
 
@@ -109,6 +110,9 @@ class ToolCallParser:
             parameters = function.get("parameters") or {}
             self._properties[function["name"]] = parameters.get("properties") or {}
         self._pending = ""  # outside a call: a tail that may begin <tool_call>; inside: the call's text
+        # Inside a call, how far into `_pending` no </parameter> can begin: a long value is scanned once,
+        # not again with every delta.
+        self._scanned = 0
         self._inside = False
         self._name: str | None = None  # the current call's function, once its header is parsed
         self._num_arguments = 0
@@ -159,6 +163,10 @@ class ToolCallParser:
             parse.deltas.append(ToolCallDelta(len(self.calls) - 1, self.calls[-1].id, self._name))
             position = header.end()
         while True:
+            if text.find(PARAMETER_END, position + self._scanned) == -1:
+                self._scanned = max(0, len(text) - position - len(PARAMETER_END) + 1)
+                break
+            self._scanned = 0
             parameter = _PARAMETER.match(text, position)
             if parameter is None:
                 break
@@ -183,7 +191,7 @@ class ToolCallParser:
 
     def _close(self, parse: ToolParse) -> None:
         self._arguments(parse, "}" if self._num_arguments else "{}")
-        self._inside, self._name, self._num_arguments = False, None, 0
+        self._inside, self._name, self._num_arguments, self._scanned = False, None, 0, 0
         self._text_after_call = False
 
     def finish(self) -> ToolParse:
