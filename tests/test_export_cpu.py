@@ -398,3 +398,39 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
         torch.testing.assert_close(
             torch.tensor(request.output_logprobs), torch.tensor(reference.output_logprobs), atol=1e-4, rtol=0
         )
+
+
+def test_prefill_computes_only_the_valid_tokens(
+    exported, no_compilation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill graphs take any number of tokens up to a chunk: a prompt shorter than a chunk and a
+    prompt's last chunk compute their valid tokens only (one token runs padded to two), with the tokens and
+    logits of whole padded chunks."""
+    _, reference, _, model, _ = exported
+    graphs = dict(model.backend.graphs)
+    counts: list[int] = []
+
+    def prefill(*args: torch.Tensor) -> torch.Tensor:
+        counts.append(args[0].shape[1])
+        return graphs["prefill_chunk"](*args)
+
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    model.backend.graphs = {**graphs, "prefill_chunk": prefill}
+    seen = {}
+    try:
+        for length in (5, 33):  # chunks of 16: [5]; [16, 16, 1]
+            prompt, _ = left_padded_prompts([length], seed=3)
+            counts.clear()
+            trimmed = model.generate(prompt, **kwargs)
+            seen[length] = counts[:]
+            with monkeypatch.context() as padded:
+                padded.setattr(backends, "blocks_in_use", lambda method, args: args)
+                whole = model.generate(prompt, **kwargs)
+            assert torch.equal(trimmed.sequences, whole.sequences)
+            for a, b in zip(trimmed.logits, whole.logits, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            hf = reference.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert torch.equal(trimmed.sequences, hf)
+    finally:
+        model.backend.graphs = graphs
+    assert seen == {5: [5], 33: [16, 16, 2]}

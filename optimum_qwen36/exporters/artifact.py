@@ -18,7 +18,8 @@ from ..ops.native import cpu_flags, load_native_ops
 MANIFEST_NAME = "export_manifest.json"
 # 2: decode steps take each row's GDN state slot (format 1's graphs do not).
 # 3: cpu/cuda steps are compiled by regions, <step>.<region>.pt2 (format 2 has one graph per step).
-MANIFEST_FORMAT = 3
+# 4: prefill_chunk graphs take 2..chunk tokens, a chunk's valid ones (format 3's take a whole padded chunk).
+MANIFEST_FORMAT = 4
 # SIMD extensions compiled CPU code may use. Inductor builds with -march=native, so a graph compiled on one
 # CPU may execute any of the builder's extensions: the loading CPU must have them all.
 ISA_FLAGS = (

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
 from .aoti import CompiledGraph, export_method
+from .base import MIN_PREFILL_TOKENS
 from .compile_workers import CompilePool, default_workers
 
 logger = logging.getLogger(__name__)
@@ -287,14 +288,19 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
       compiled sequence_length;
-    - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row).
+    - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row);
+    - a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a chunk computes its valid tokens
+      only (`blocks_in_use`), and the MTP step's.
     An example size of 1 would be specialised: such a dimension stays static."""
     max_blocks = inputs.block_tables.shape[1]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
     batch = torch.export.Dim("batch", min=2, max=max_rows) if step in BATCHED_STEPS and max_rows > 2 else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
-    tokens = torch.export.Dim("tokens", min=2, max=inputs.cos.shape[1]) if step in MTP_STEPS else None
+    many_tokens = step in MTP_STEPS or step == "prefill_chunk"
+    tokens = (
+        torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=inputs.cos.shape[1]) if many_tokens else None
+    )
     rows = _dynamic({0: batch, 1: tokens})
     return {
         "hidden": rows,
@@ -303,6 +309,7 @@ def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, A
         "cos": rows,
         "sin": rows,
         "write_slots": rows,
+        "valid": rows,
         "block_tables": _dynamic({0: batch, 1: width}),
         "positions": rows,
         "key_cache": {1: blocks},
