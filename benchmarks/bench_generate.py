@@ -336,7 +336,7 @@ def run_benchmarks(systems: dict, reference, args: argparse.Namespace) -> tuple[
     work = []
     for length in args.prompt_lengths:
         work.append((f"prefill {length}", "prefill_tok_s", str(length), length, (systems, reference, length)))
-    for rows in sorted({1, args.batch_size}):
+    for rows in args.decode_rows:
         tokens = rows * args.decode_steps
         work.append((f"decode batch {rows}", "decode_tok_s", str(rows), tokens, (systems, reference, rows)))
     for label, metric, key, tokens, setup in work:
@@ -429,7 +429,7 @@ def run_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[dic
     if not args.vllm_python:
         reason = f"skipped: no --vllm-python (nor ${VLLM_PYTHON_ENV}); ../shared/peers/ installs it"
         return {}, {"vLLM": reason}
-    rows = sorted({1, args.batch_size})
+    rows = args.decode_rows
     spec = {
         "model": checkpoint,
         "dtype": args.dtype,
@@ -538,6 +538,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--batch-size", type=int, default=8, help="compiled batch (decode is also run at 1)")
+    parser.add_argument(
+        "--decode-rows",
+        type=int,
+        nargs="+",
+        help="rows decoded together, each run separately (default: 1 and --batch-size)",
+    )
     parser.add_argument("--prefill-chunk-size", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per run")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
@@ -569,6 +575,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
+    args.decode_rows = sorted(set(args.decode_rows or (1, args.batch_size)))
+    if not all(0 < rows <= args.batch_size for rows in args.decode_rows):
+        parser.error(
+            f"--decode-rows must be within 1..--batch-size ({args.batch_size}), got {args.decode_rows}"
+        )
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     if args.write_checkpoint:

@@ -64,7 +64,11 @@ def main() -> None:
         if args.keep_caches
         else "empty per run (OPTIMUM_QWEN36_CACHE, TORCHINDUCTOR_CACHE_DIR)",
         "machine": machine(),
-        "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OPTIMUM_QWEN36_COMPILE_WORKERS") if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "OPTIMUM_QWEN36_COMPILE_WORKERS")
+            if k in os.environ
+        },
         "all_succeeded": ok,
         "runs": runs,
         "wall_seconds": spread([r["seconds"] for r in runs]),

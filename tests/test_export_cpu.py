@@ -346,7 +346,7 @@ def test_attention_reads_only_the_blocks_in_use(
         narrow = model.generate(prompt, **kwargs)
         narrow_widths = widths[:]
         with monkeypatch.context() as full_width:
-            full_width.setattr(backends, "blocks_in_use", lambda method, args: args)
+            full_width.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
             full = model.generate(prompt, **kwargs)
     finally:
         model.backend.graphs = graphs
@@ -403,9 +403,9 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
 def test_prefill_computes_only_the_valid_tokens(
     exported, no_compilation, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The prefill graphs take any number of tokens up to a chunk: a prompt shorter than a chunk and a
-    prompt's last chunk compute their valid tokens only (one token runs padded to two), with the tokens and
-    logits of whole padded chunks."""
+    """Where the GDN chunk step is the native op, the prefill graphs take any number of tokens up to a chunk:
+    a prompt shorter than a chunk and a prompt's last chunk compute their valid tokens only (one token runs
+    padded to two), with the tokens and logits of whole padded chunks. Elsewhere every chunk is whole."""
     _, reference, _, model, _ = exported
     graphs = dict(model.backend.graphs)
     counts: list[int] = []
@@ -424,7 +424,7 @@ def test_prefill_computes_only_the_valid_tokens(
             trimmed = model.generate(prompt, **kwargs)
             seen[length] = counts[:]
             with monkeypatch.context() as padded:
-                padded.setattr(backends, "blocks_in_use", lambda method, args: args)
+                padded.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
                 whole = model.generate(prompt, **kwargs)
             assert torch.equal(trimmed.sequences, whole.sequences)
             for a, b in zip(trimmed.logits, whole.logits, strict=True):
@@ -433,4 +433,7 @@ def test_prefill_computes_only_the_valid_tokens(
             assert torch.equal(trimmed.sequences, hf)
     finally:
         model.backend.graphs = graphs
-    assert seen == {5: [5], 33: [16, 16, 2]}
+    if model.backend.prefill_takes_any_tokens:
+        assert seen == {5: [5], 33: [16, 16, 2]}
+    else:
+        assert seen == {5: [16], 33: [16, 16, 16]}

@@ -116,8 +116,9 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
 def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from optimum_qwen36.exporters import backends
 
-    monkeypatch.setattr(backends, "blocks_in_use", lambda method, args: args)
+    monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
+    backend.prefill_takes_any_tokens = False
     backend.device = "cpu"
     ran: list[tuple[str, int]] = []
     backend.graphs = {

@@ -185,3 +185,27 @@ def test_a_long_streamed_value_is_scanned_once(monkeypatch: pytest.MonkeyPatch) 
     deltas = [d for ch in text for d in parser.feed(ch).deltas] + parser.finish().deltas
     assert matches <= len("</parameter>") + 1
     assert json.loads("".join(d.arguments for d in deltas)) == {"content": value}
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [("Paris", True), ("a < b and <i>x</i>, </param>", True), ("ab\n</parameter>\nzz", False)],
+)
+def test_forced_tool_call_values_may_hold_any_text(tokenizer, value: str, accepted: bool) -> None:
+    """tool_choice 'required' / named: a parameter value is any text up to the first </parameter>."""
+    import llguidance
+    import llguidance.hf
+
+    from optimum_qwen36.server.chat import forced_tool_grammar
+
+    ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+    matcher = llguidance.LLMatcher(
+        ll, llguidance.grammar_from("lark", forced_tool_grammar([WEATHER_TOOL], None))
+    )
+    name = WEATHER_TOOL["function"]["name"]
+    text = (
+        f"<tool_call>\n<function={name}>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    )
+    # One character at a time: never the tag tokens, which llguidance's token view marks as special.
+    ids = [token for character in text for token in ll.tokenize_str(character)]
+    assert (all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()) == accepted

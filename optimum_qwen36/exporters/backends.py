@@ -31,6 +31,7 @@ from ..ops.gdn import (
     gdn_decode_step_torch,
     gdn_prefill_chunk_native,
     gdn_prefill_chunk_torch,
+    native_chunk_supported,
 )
 from ..ops.native import avx512_kernels_built, load_native_ops
 from .aoti import CompiledGraph
@@ -179,9 +180,11 @@ class AOTIBackend:
             return CompiledGraph(files_dir / file, own, device)
 
         self.graphs = {step: load_step(model, step, load, device) for step in present}
+        self.prefill_takes_any_tokens = prefill_takes_any_tokens(model, cpu_kernels=self.name == "cpu")
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return self.graphs[method](*self._on_device(blocks_in_use(method, args))).cpu()
+        used = blocks_in_use(method, args, cut_tokens=self.prefill_takes_any_tokens)
+        return self.graphs[method](*self._on_device(used)).cpu()
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("prefill_chunk", args)
@@ -192,7 +195,8 @@ class AOTIBackend:
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.graphs["prefill_chunk"]
-        hidden, inputs = step.decoder_output(*self._on_device(blocks_in_use("prefill_chunk", args)))
+        used = blocks_in_use("prefill_chunk", args, cut_tokens=self.prefill_takes_any_tokens)
+        hidden, inputs = step.decoder_output(*self._on_device(used))
         logits = step.head(self.model.last_valid(hidden, inputs.num_valid))
         return logits.cpu(), self.model.model.norm(hidden).cpu()
 
@@ -272,6 +276,20 @@ class AOTIBackend:
         return instance
 
 
+def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> bool:
+    """Whether the prefill graphs take 2..chunk tokens (the chunk's valid ones) rather than a whole chunk:
+    where the GDN layers' chunked delta rule is the native op (cpu, AVX-512 build, head sizes it takes).
+    The PyTorch form (cuda, other CPUs) walks 64-token blocks in Python, so its export would specialise
+    the token count. Export and load decide alike (same model, backend and instruction set: an artifact's
+    ISA is checked at load)."""
+    config = model.config
+    return (
+        cpu_kernels
+        and avx512_kernels_built()
+        and native_chunk_supported(config.linear_key_head_dim, config.linear_value_head_dim)
+    )
+
+
 def decode_linears_mode(step: str, native_bf16: bool) -> DecodeLinears | None:
     """How `step`'s linear layers are traced on cpu: every step but prefill_chunk calls the native bf16
     kernel for bf16 weights when `native_bf16`; decode_row (the one graph whose shapes are all static: the
@@ -306,6 +324,7 @@ def _compile_graphs(
             graphs,
             out_dir,
             lambda step: decode_linears_mode(step, native_bf16) if cpu_kernels else None,
+            any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels),
         )
     finally:
         model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)

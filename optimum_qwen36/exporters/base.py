@@ -40,17 +40,19 @@ class StepBackend(Protocol):
 MIN_PREFILL_TOKENS = 2
 
 
-def blocks_in_use(method: str, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """`args` of a step cut to what it uses, for backends whose steps take any table width and any number of
-    prefill tokens: block table(s) cut to the blocks holding this step's positions (attention then reads
-    the context so far, not all of the compiled sequence_length; the masked-out blocks would add nothing),
-    and a prefill chunk's tokens cut to its valid ones (a short prompt or a prompt's last chunk does not
-    pay for a whole padded chunk; padded tokens change nothing)."""
+def blocks_in_use(
+    method: str, args: tuple[torch.Tensor, ...], cut_tokens: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """`args` of a step cut to what it uses, for backends whose steps take any table width: block table(s)
+    cut to the blocks holding this step's positions (attention then reads the context so far, not all of
+    the compiled sequence_length; the masked-out blocks would add nothing), and, with `cut_tokens` (the
+    prefill graphs take any number of tokens), a prefill chunk's tokens cut to its valid ones (a short
+    prompt or a prompt's last chunk does not pay for a whole padded chunk; padded tokens change nothing)."""
     block_size = args[-4].shape[2]  # key_cache [attention layers, blocks, block_size, heads, head_dim]
     if method == "prefill_chunk":
         input_ids, start_pos, num_valid, slot, block_table, *caches = args
         used = -(-(int(start_pos) + int(num_valid)) // block_size)
-        tokens = input_ids[:, : max(int(num_valid), MIN_PREFILL_TOKENS)]
+        tokens = input_ids[:, : max(int(num_valid), MIN_PREFILL_TOKENS)] if cut_tokens else input_ids
         return (tokens, start_pos, num_valid, slot, block_table[:used], *caches)
     input_ids, positions, slots, block_tables, *caches = args
     used = int(positions.max()) // block_size + 1

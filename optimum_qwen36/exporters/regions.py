@@ -283,21 +283,23 @@ class MTPStep:
         return tuple(self.graph(embeds, hidden, num_valid, *fields, *self._tensors))
 
 
-def _dims(step: str, inputs: StepInputs, max_rows: int) -> dict[str, dict[int, Any] | None]:
+def _dims(
+    step: str, inputs: StepInputs, max_rows: int, any_prefill_tokens: bool
+) -> dict[str, dict[int, Any] | None]:
     """Dynamic dimensions of the region arguments, by StepInputs field ("hidden" too). Left dynamic:
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
       compiled sequence_length;
     - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row);
-    - a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a chunk computes its valid tokens
-      only (`blocks_in_use`), and the MTP step's.
+    - with `any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a chunk
+      computes its valid tokens only (`blocks_in_use`); and the MTP step's.
     An example size of 1 would be specialised: such a dimension stays static."""
     max_blocks = inputs.block_tables.shape[1]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
     batch = torch.export.Dim("batch", min=2, max=max_rows) if step in BATCHED_STEPS and max_rows > 2 else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
-    many_tokens = step in MTP_STEPS or step == "prefill_chunk"
+    many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and any_prefill_tokens)
     tokens = (
         torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=inputs.cos.shape[1]) if many_tokens else None
     )
@@ -329,13 +331,14 @@ def export_step(
     step_args: tuple[torch.Tensor, ...],
     out_dir: Path,
     tracing_mode: TorchFunctionMode | None = None,
+    any_prefill_tokens: bool = False,
 ) -> Iterator[tuple[torch.export.ExportedProgram, Path]]:
     """Export the regions of `step` with its example arguments, one at a time, each with its package path
-    out_dir/<step>.<region>.pt2 (see `compile_regions`)."""
+    out_dir/<step>.<region>.pt2 (see `compile_regions`; `_dims` for `any_prefill_tokens`)."""
     if step in MTP_STEPS:
         regions = [_mtp_region_args(model, step, step_args)]
     else:
-        regions = _layer_and_head_region_args(model, step, step_args)
+        regions = _layer_and_head_region_args(model, step, step_args, any_prefill_tokens)
     for region, module, args, shapes in regions:
         start = time.perf_counter()
         program = export_method(module, "forward", args, dynamic_shapes=shapes, tracing_mode=tracing_mode)
@@ -348,6 +351,7 @@ def compile_regions(
     steps: Mapping[str, tuple[torch.Tensor, ...]],
     out_dir: Path,
     tracing_mode_of: Callable[[str], TorchFunctionMode | None],
+    any_prefill_tokens: bool,
 ) -> dict[str, torch.Tensor]:
     """Export and compile the regions of each step (name -> example arguments) into out_dir, each step
     traced within `tracing_mode_of(step)`. The graphs compile side by side as they are exported
@@ -357,7 +361,8 @@ def compile_regions(
     paths: list[Path] = []
     with CompilePool(default_workers(len(files)), total=len(files)) as pool:
         for step, args in steps.items():
-            for program, path in export_step(model, step, args, out_dir, tracing_mode_of(step)):
+            exported = export_step(model, step, args, out_dir, tracing_mode_of(step), any_prefill_tokens)
+            for program, path in exported:
                 pool.submit(program, path)
                 paths.append(path)
         bound = pool.finish()
@@ -369,11 +374,11 @@ def compile_regions(
 
 
 def _layer_and_head_region_args(
-    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...]
+    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...], any_prefill_tokens: bool
 ) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]]:
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
-    dims = _dims(step, inputs, max_rows=step_args[0].shape[0])
+    dims = _dims(step, inputs, max_rows=step_args[0].shape[0], any_prefill_tokens=any_prefill_tokens)
     regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
     for kind in layer_kinds(model):
         fields = layer_fields(kind.layer_type, step)
@@ -395,7 +400,7 @@ def _mtp_region_args(
         embeds, inputs = model.mtp_inputs(
             input_ids, start_pos, num_valid, block_tables, key_cache, value_cache
         )
-    dims = _dims(step, inputs, max_rows=input_ids.shape[0])
+    dims = _dims(step, inputs, max_rows=input_ids.shape[0], any_prefill_tokens=False)
     fields = LAYER_FIELDS["full_attention"]
     names = mtp_tensor_names(model)
     args = (embeds, hidden, num_valid, *(getattr(inputs, f) for f in fields), *model_weights(model, names))

@@ -90,6 +90,12 @@ def gdn_prefill_chunk_torch(
     return o
 
 
+def native_chunk_supported(k_dim: int, v_dim: int) -> bool:
+    """Whether `gdn_prefill_chunk_native` runs the native op for these head sizes (multiples of its 16-float
+    vectors) rather than the PyTorch form."""
+    return k_dim % 16 == 0 and v_dim % 16 == 0
+
+
 def gdn_prefill_chunk_native(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,7 +109,7 @@ def gdn_prefill_chunk_native(
 ) -> torch.Tensor:
     """The native op (load it first: `ops.native.load_native_ops()`); head sizes that are not multiples of
     its 16-float vectors run the PyTorch form."""
-    if q.shape[-1] % 16 or v.shape[-1] % 16:
+    if not native_chunk_supported(q.shape[-1], v.shape[-1]):
         return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
     op = torch.ops.optimum_qwen36.gdn_prefill_chunk
     return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, scale)

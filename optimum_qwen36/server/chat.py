@@ -132,7 +132,9 @@ def forced_tool_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
         [
             r"start: /\n*/ call+",
             r'call: "<tool_call>\n<function=" NAME ">\n" param* "</function>\n</tool_call>" /\n*/',
-            r'param: "<parameter=" /[^>\n]+/ ">\n" /[^<]*/ "</parameter>\n"',
+            r'param: "<parameter=" /[^>\n]+/ ">\n" value',
+            # A value is any text (`<` included) up to the first </parameter> (llguidance's lazy suffix).
+            r'value[suffix="</parameter>\n"]: /(?s:.*)/',
             f"NAME: {alternatives}",
         ]
     )
