@@ -149,3 +149,16 @@ def test_worker_count_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv(compile_workers.WORKERS_VARIABLE)
     assert default_workers(1) == 0
     assert 0 <= default_workers(8) <= 7
+
+
+def test_a_worker_that_cannot_start_leaves_the_work_to_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(compile_workers, "WORKER_COMMAND", (str(tmp_path / "no-such-python"),))
+    model, x = torch.nn.Linear(8, 4), torch.randn(2, 8)
+    with CompilePool(workers=1, total=1) as pool:
+        pool.submit(export_method(model, "forward", (x,)), tmp_path / "here.pt2")
+        (constants,) = pool.finish()
+    assert "Could not start a compile worker process" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(CompiledGraph(tmp_path / "here.pt2", constants)(x), model(x))

@@ -37,6 +37,7 @@ from .aoti import bound_constants, package_program
 logger = logging.getLogger(__name__)
 
 NATIVE_NAMESPACE = "optimum_qwen36"
+WORKER_COMMAND = (sys.executable, "-m", __name__)
 
 
 class CompileWorkerError(RuntimeError):
@@ -169,14 +170,18 @@ class CompilePool:
         package_root = str(Path(__file__).resolve().parents[2])
         pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         with tempfile.TemporaryFile(mode="w+") as stderr:
-            worker = subprocess.Popen(
-                [sys.executable, "-m", __name__],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                env={**os.environ, "PYTHONPATH": pythonpath},
-            )
+            try:
+                worker = subprocess.Popen(
+                    WORKER_COMMAND,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": pythonpath},
+                )
+            except OSError as error:  # e.g. no new processes allowed: this process compiles them all
+                logger.warning("Could not start a compile worker process (%s): compiling here instead", error)
+                return
             try:
                 while (index := self._take(wait=True)) is not None:
                     program, path, saved, devices = self._graphs[index]
