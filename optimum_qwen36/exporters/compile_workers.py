@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -76,6 +77,14 @@ def calls_native_ops(program: torch.export.ExportedProgram) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Job:
+    program: torch.export.ExportedProgram
+    package: Path
+    saved: Path | None  # the program as a worker loads it (None without workers)
+    devices: list[str | None]  # of its flat example inputs, which are saved as meta tensors
+
+
 class CompilePool:
     """`aoti.package_program` for each submitted (program, package path): `workers` worker processes take
     them as they come, and `finish()` compiles what is left in this process, waits for the workers, and
@@ -86,7 +95,7 @@ class CompilePool:
     def __init__(self, workers: int, total: int, inductor_configs: Mapping[str, Any] | None = None) -> None:
         # Resolved here: a worker compiles with this process's Inductor settings, whatever changed them.
         self._configs = {**aoti.DEFAULT_INDUCTOR_CONFIGS, **(inductor_configs or {})}
-        self._graphs: list[tuple[torch.export.ExportedProgram, Path, Path | None, list[str | None]]] = []
+        self._jobs: list[_Job] = []
         self._pending: collections.deque[int] = collections.deque()
         self._submitted_all = False
         self._errors: list[BaseException] = []
@@ -101,14 +110,14 @@ class CompilePool:
             thread.start()
 
     def submit(self, program: torch.export.ExportedProgram, package_path: Path) -> None:
-        index = len(self._graphs)
+        index = len(self._jobs)
         saved = None
         devices: list[str | None] = []
         if self._threads:  # saved here, not in a worker's thread: torch.export state is not thread-safe
             saved = Path(self._scratch.name) / f"{index}.program.pt2"
             devices = _save_without_example_values(program, saved)
         with self._changed:
-            self._graphs.append((program, package_path, saved, devices))
+            self._jobs.append(_Job(program, package_path, saved, devices))
             self._pending.append(index)
             self._changed.notify()
 
@@ -118,10 +127,10 @@ class CompilePool:
             self._changed.notify_all()
         try:
             while (index := self._take(wait=False)) is not None:
-                program, path, _, _ = self._graphs[index]
+                job = self._jobs[index]
                 start = time.perf_counter()
-                package_program(program, path, self._configs)
-                logger.info("Compiled %s in %.1f s", path.name, time.perf_counter() - start)
+                package_program(job.program, job.package, self._configs)
+                logger.info("Compiled %s in %.1f s", job.package.name, time.perf_counter() - start)
                 self._progress.update()
         except BaseException as error:
             self._fail(error)
@@ -130,7 +139,7 @@ class CompilePool:
             self._stop()
         if self._errors:
             raise self._errors[0]
-        return [bound_constants(program, path) for program, path, _, _ in self._graphs]
+        return [bound_constants(job.program, job.package) for job in self._jobs]
 
     def __enter__(self) -> CompilePool:
         return self
@@ -184,22 +193,22 @@ class CompilePool:
                 return
             try:
                 while (index := self._take(wait=True)) is not None:
-                    program, path, saved, devices = self._graphs[index]
-                    logger.debug("Compiling %s in worker process %d", path.name, worker.pid)
-                    job = {
-                        "program": str(saved),
-                        "devices": devices,
+                    job = self._jobs[index]
+                    logger.debug("Compiling %s in worker process %d", job.package.name, worker.pid)
+                    request = {
+                        "program": str(job.saved),
+                        "devices": job.devices,
                         "inductor_config": str(self._inductor_config),
-                        "package": str(path),
+                        "package": str(job.package),
                         "configs": self._configs,
-                        "native_ops": calls_native_ops(program),
+                        "native_ops": calls_native_ops(job.program),
                     }
-                    reply = _ask(worker, job, stderr)
+                    reply = _ask(worker, request, stderr)
                     if "error" in reply:
                         raise CompileWorkerError(
-                            f"Compiling {path.name} in a worker process failed:\n{reply['error']}"
+                            f"Compiling {job.package.name} in a worker process failed:\n{reply['error']}"
                         )
-                    logger.info("Compiled %s in %.1f s (worker process)", path.name, reply["seconds"])
+                    logger.info("Compiled %s in %.1f s (worker process)", job.package.name, reply["seconds"])
                     self._progress.update()
             except BaseException as error:
                 self._fail(error)
