@@ -168,15 +168,33 @@ def test_fp8_linear_equals_dequantized_linear(
     torch.testing.assert_close(bf16.double(), exact, atol=bound, rtol=2**-7)
 
 
-@pytest.mark.parametrize("rows", [1, 9])  # the streaming path and the dequantizing one
-def test_native_kernel_widens_every_e4m3_value_exactly(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 9])  # the streaming paths and the dequantizing one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_widens_every_e4m3_value_exactly(rows: int, dtype: torch.dtype) -> None:
     assert load_native_ops(), "the native CPU kernel should build on this machine"
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     finite = values[~values.isnan()]  # subnormals, zeros of both signs, normals up to +-448
-    weight = torch.diag(finite).to(torch.float8_e4m3fn)  # output i is value i
-    x = torch.ones(rows, len(finite))
-    out = torch.ops.optimum_qwen36.fp8_linear(x, weight, torch.ones(1, 1), 1024, 1024)
-    assert torch.equal(out, finite.expand(rows, -1))
+    # output i is value i; 256 columns, so bf16's byte-table path converts every value in whole 64-byte slices
+    weight = torch.zeros(len(finite), 256)
+    weight[range(len(finite)), range(len(finite))] = finite
+    x = torch.ones(rows, 256, dtype=dtype)
+    out = torch.ops.optimum_qwen36.fp8_linear(x, weight.to(torch.float8_e4m3fn), torch.ones(1, 1), 1024, 1024)
+    assert out.dtype == dtype and torch.equal(out.float(), finite.expand(rows, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((257, 129), (64, 32))])
+def test_native_dequantized_tiles_equal_the_reference(
+    dtype: torch.dtype, shape: tuple[int, int], block: tuple[int, int]
+) -> None:
+    """Prefill's path (more than 8 rows) multiplies tiles dequantized natively; x = the identity reads them
+    back exactly (one nonzero product per output), to compare bit for bit with dequantize_fp8."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    torch.manual_seed(1)
+    q, scale = quantize_fp8(torch.randn(shape) * torch.logspace(-3, 1, shape[1]), block)
+    scale = scale.bfloat16().float()  # as Qwen's files store them
+    out = torch.ops.optimum_qwen36.fp8_linear(torch.eye(shape[1], dtype=dtype), q, scale, *block)
+    assert torch.equal(out.t(), dequantize_fp8(q, scale, block, dtype))
 
 
 def test_quantize_round_trip_and_neuron_range() -> None:

@@ -23,9 +23,11 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h")))
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
-# code: AVX2 + FMA + F16C (fp8_linear), AVX-512 with BF16 dot products (bf16_linear).
+# code: AVX2 + FMA + F16C (fp8_linear's float32 path), AVX-512 with BF16 dot products (bf16_linear, attention,
+# GDN), plus VBMI's byte tables (fp8_linear's bf16 decode path).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
+BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}
 
 
 def cpu_flags() -> set[str]:
@@ -47,7 +49,9 @@ def _all_or_none(wanted: dict[str, str], flags: set[str]) -> list[str]:
 def build_flags() -> list[str]:
     """-fopenmp: ATen's parallel_for, inlined into the kernels, runs its loop on one thread without it."""
     flags = cpu_flags()
-    return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *_all_or_none(BF16_FLAGS, flags)]
+    bf16 = _all_or_none(BF16_FLAGS, flags)
+    byte_tables = _all_or_none(BYTE_TABLE_FLAGS, flags) if bf16 else []
+    return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *bf16, *byte_tables]
 
 
 def avx512_kernels_built() -> bool:
