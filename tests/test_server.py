@@ -406,6 +406,14 @@ def test_models_tokenize_detokenize(server, client) -> None:
     assert json.loads(body)["count"] > len(tokens)
 
 
+def test_text_content_parts_render_as_their_text(server) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"text": "world"}]}]
+    whole = [{"role": "user", "content": "Hello world"}]
+    _, _, from_parts = server.request("POST", "/tokenize", {"messages": parts})
+    _, _, from_string = server.request("POST", "/tokenize", {"messages": whole})
+    assert json.loads(from_parts)["tokens"] == json.loads(from_string)["tokens"]
+
+
 # ---------------------------------------------------------------------- errors
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 BAD_REQUESTS = {
@@ -421,6 +429,26 @@ BAD_REQUESTS = {
     "empty prompt": ("/v1/completions", {**GOOD, "prompt": []}, None),
     "missing messages": ("/v1/chat/completions", {"model": MODEL}, None),
     "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+    "image content part": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    ],
+                }
+            ]
+        },
+        None,
+    ),
+    "content neither text nor parts": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": 3}]},
+        None,
+    ),
     "tool call arguments not JSON": (
         "/v1/chat/completions",
         {

@@ -12,10 +12,32 @@ from .reasoning import ReasoningParser, Split
 from .tool_calls import ToolCallDelta, ToolCallParser
 
 
+def _check_content(index: int, content: Any) -> None:
+    """Content is a string, None or a list of text parts: this server runs the text model, so an image or
+    audio part is refused by name instead of being dropped or rendered as placeholder tokens."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise bad_request(
+            f"messages[{index}].content must be a string or a list of content parts.",
+            f"messages.{index}.content",
+        )
+    for number, part in enumerate(content):
+        kind = part.get("type", "text") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"messages[{index}].content[{number}] is "
+                + (f"a '{kind}' part" if isinstance(kind, str) else "not a content part")
+                + ": this server runs the text model and takes only {'type': 'text', 'text': ...} parts.",
+                f"messages.{index}.content.{number}",
+            )
+
+
 def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI message as the template reads it: tool-call arguments as mappings (clients send JSON)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"messages[{index}] must be an object with a 'role'.", f"messages.{index}")
+    _check_content(index, message.get("content"))
     message = dict(message)
     if message["role"] == "assistant" and message.get("reasoning") and not message.get("reasoning_content"):
         message["reasoning_content"] = message["reasoning"]
