@@ -29,13 +29,8 @@ from timing import alternate, fmt, machine, paired_ratios, spread, wall
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import CompiledGraph, compile_method
-from optimum_qwen36.exporters.backends import (
-    decode_linears_mode,
-    example_step_args,
-    graphs_to_compile,
-    model_tensors,
-)
-from optimum_qwen36.exporters.base import blocks_in_use
+from optimum_qwen36.exporters.backends import decode_linears_mode, graphs_to_compile, model_tensors
+from optimum_qwen36.exporters.base import blocks_in_use, example_step_args
 from optimum_qwen36.ops.native import avx512_kernels_built
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -10,7 +10,8 @@ from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import AOTIBackend, decode_linears_mode, example_step_args
+from optimum_qwen36.exporters.backends import AOTIBackend, decode_linears_mode
+from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear
 from optimum_qwen36.ops.native import avx512_kernels_built, load_native_ops
 

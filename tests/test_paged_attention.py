@@ -8,7 +8,7 @@ import torch
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import example_step_args
+from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.modeling.qwen36 import Qwen36Attention
 from optimum_qwen36.ops.attention import paged_attention_native, paged_attention_torch
 from optimum_qwen36.ops.gdn import (

@@ -55,6 +55,7 @@ from ..modeling.quantization import rescale_for_range
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
 from ..ops.fp8 import NEURON_E4M3_MAX
+from .base import example_step_args
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +208,6 @@ class NeuronBackend:
 
     def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str], Any]) -> None:
         """torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache."""
-        from .backends import example_step_args
-
         examples = example_step_args(neuron_config, make_cache(self.device))
         for method in self._steps:  # decode_step at the full batch: the static batch it always runs
             self._run(method, examples[method])
