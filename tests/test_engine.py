@@ -105,6 +105,45 @@ def test_greedy_tokens_equal_transformers(checkpoint, cold) -> None:
     assert run.finish_reason is FinishReason.LENGTH
 
 
+def run_outputs(engine: Any, prompts: list[list[int]], params: SamplingParams) -> list[list[Any]]:
+    """Each prompt's RequestOutputs, the requests run one after the other on one engine."""
+    runs = []
+    for prompt in prompts:
+        request_id = engine.add_request(prompt, params)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += [o for o in engine.step() if o.request_id == request_id]
+        runs.append(outputs)
+    return runs
+
+
+def test_prompt_logprobs_equal_transformers_and_ignore_the_prefix_cache(checkpoint, cached) -> None:
+    """Every prompt token's log-probability (and top 3) over three prefill chunks, in the first output only;
+    the same prompt again, now cached, is computed again: a cached prefix has no logits to give."""
+    _, reference = checkpoint
+    prompt = tokens(150, 3)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    chosen = expected.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3)
+    engine = cached.create_engine()
+    first, again = run_outputs(engine, [prompt, prompt], params)
+    plain = run_outputs(engine, [prompt], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert plain[0].cached_prompt_tokens > 0 and plain[0].prompt_logprobs is None  # the cache is warm
+    for outputs in (first, again):
+        assert outputs[0].cached_prompt_tokens == 0
+        assert all(o.prompt_logprobs is None for o in outputs[1:])
+        values, tops = outputs[0].prompt_logprobs, outputs[0].prompt_top_logprobs
+        assert values[0] is None and tops[0] is None and len(values) == len(prompt)
+        torch.testing.assert_close(torch.tensor(values[1:]), chosen, atol=1e-4, rtol=0)
+        top_values, top_ids = expected.topk(3, dim=-1)
+        assert [list(t) for t in tops[1:]] == top_ids.tolist()
+        torch.testing.assert_close(
+            torch.tensor([list(t.values()) for t in tops[1:]]), top_values, atol=1e-4, rtol=0
+        )
+        assert [t for o in outputs for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
+
+
 @pytest.mark.usefixtures("sampled_logits")
 def test_requests_get_their_solo_tokens_in_company(cold, cached) -> None:
     """Up to 8 running at once out of 12, arriving at random steps: prompts of 1 to 3000 tokens (long prompts

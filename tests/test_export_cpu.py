@@ -400,6 +400,24 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
         )
 
 
+def test_prompt_logprobs_on_the_compiled_graphs_equal_transformers(exported, no_compilation) -> None:
+    """A prompt of three chunks (the last partial): each token's log-probability after the ones before it,
+    from the compiled prefill graphs' hidden states and the eager head."""
+    _, reference, _, model, _ = exported
+    prompt = left_padded_prompts([40], seed=5)[0][0].tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    engine = model.create_engine()
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (output,) = outputs
+    assert output.request_id == request_id and output.prompt_logprobs[0] is None
+    chosen = expected.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(output.prompt_logprobs[1:]), chosen, atol=1e-4, rtol=0)
+
+
 def test_prefill_computes_only_the_valid_tokens(
     exported, no_compilation, monkeypatch: pytest.MonkeyPatch
 ) -> None:

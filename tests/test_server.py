@@ -18,6 +18,7 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 import uvicorn
 from chat_model import (
     CONVERSATIONS,
@@ -29,6 +30,7 @@ from chat_model import (
     train_chat_checkpoint,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.server import ServerSettings, build_app, served_model
@@ -278,6 +280,37 @@ def test_completions_logprobs_and_echo(client) -> None:
         assert top[token] == pytest.approx(logprob)
     echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, echo=True)
     assert echoed.choices[0].text == "Hello" + choice.text
+
+
+def test_completions_echo_scores_the_prompt(client, checkpoint: Path) -> None:
+    """echo + logprobs (how lm-evaluation-harness asks for a text's log-likelihood): one entry per prompt
+    token, the first without a log-probability, then the generated token's; streamed, the echo comes first
+    with the same values. The model serves bf16: against transformers in float32, within bf16's error (the
+    float32 engine is held to 1e-4 in tests/test_engine.py and tests/test_export_cpu.py)."""
+    prompt = list(range(1000, 1090))  # two prefill chunks
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(prompt) + 1 and response.usage.prompt_tokens_details.cached_tokens == 0
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and response.choices[0].text.startswith(logprobs.tokens[0])
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    chosen = expected.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(
+        torch.tensor(logprobs.token_logprobs[1 : len(prompt)]), chosen, atol=0.05, rtol=0.02
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True, stream=True
+        )
+    )
+    echoed = chunks[0].choices[0]
+    assert echoed.logprobs.token_logprobs == logprobs.token_logprobs[: len(prompt)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == response.choices[0].text
 
 
 def test_chat_logprobs(client) -> None:

@@ -114,6 +114,11 @@ class Engine:
                     f"{what} {outside[:8]} are not tokens of this model's vocabulary "
                     f"(0..{self.vocab_size - 1})."
                 )
+        if params.prompt_logprobs is not None and not hasattr(self.runner.backend, "position_logits"):
+            raise ValueError(
+                f"prompt_logprobs needs every prompt position's logits, which the {self.runner.backend.name} "
+                "backend does not return: use the eager, cpu or cuda backend, or leave prompt_logprobs unset."
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need a tokenizer: create the engine with one, or use stop_token_ids."
@@ -262,12 +267,31 @@ class Engine:
             self.scheduler.slot_of(request),
             self._table(request),
         )
-        if self.drafter is not None:
+        if request.needs_prompt_logprobs and chunk.start < len(request.prompt_ids):
+            logits, hidden, positions = self.runner.prefill_positions(*args)
+            self._note_prompt_logprobs(request, chunk.start, positions)
+            hidden = hidden if self.drafter is not None else None
+        elif self.drafter is not None:
             logits, hidden = self.runner.prefill_hidden(*args)
         else:
             logits, hidden = self.runner.prefill(*args), None
         self._computed(request, chunk.end)
         return logits, hidden
+
+    @staticmethod
+    def _note_prompt_logprobs(request: Request, start: int, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens that `logits` (after each token from position `start`)
+        predict: position start + 1 onwards, up to the prompt's end."""
+        targets = torch.tensor(request.prompt_ids[start + 1 : start + 1 + len(logits)], dtype=torch.long)
+        logprobs = logits[: len(targets)].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        top = request.params.prompt_logprobs or 0
+        values, ids = logprobs.topk(top, dim=-1) if top else (None, None)
+        for j, value in enumerate(chosen):
+            request.prompt_logprobs[start + 1 + j] = value
+            if values is not None:
+                entry = dict(zip(ids[j].tolist(), values[j].tolist(), strict=True))
+                request.prompt_top_logprobs[start + 1 + j] = entry
 
     def _verify(self, plan: StepPlan) -> tuple[VerifyStep, list[tuple[Request, list[VerifiedToken]]]]:
         """One verify call over the decoding requests: each feeds its last token and its drafts. Returns the
@@ -379,6 +403,7 @@ class Engine:
         """Add the step's new tokens to the request, up to the first that ends it (the engine finishes it at
         the end of the step). Exactly where one-token-at-a-time decoding would stop."""
         detokenizer = self._detokenizers.get(request.request_id)
+        first_output = not request.output_ids
         new_tokens: list[int] = []
         tops = []
         text = ""
@@ -407,6 +432,9 @@ class Engine:
             text += detokenizer.flush()
         output = self._output(request, new_tokens, tops, reason, text=text)
         output.logprobs = request.output_logprobs[-len(new_tokens) :]
+        if first_output and request.params.prompt_logprobs is not None:
+            output.prompt_logprobs = list(request.prompt_logprobs)
+            output.prompt_top_logprobs = list(request.prompt_top_logprobs)
         return output
 
     def _finish_reason(

@@ -47,12 +47,25 @@ class Request:
     constraint: TokenConstraint | None = field(default=None, repr=False)  # e.g. a JSON-schema grammar
     # MTP speculative decoding: tokens drafted after output_ids[-1], verified by the next decode step.
     draft_ids: list[int] = field(default_factory=list)
+    # params.prompt_logprobs: per prompt position, the token's log-probability and the top ones (None at 0
+    # and until computed).
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt: it needs at least one token")
         self.generator = request_generator(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+            self.prompt_top_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's log-probability is still to compute (so no cached prefix may stand
+        in for its computation)."""
+        return len(self.prompt_ids) > 1 and self.prompt_logprobs[-1:] == [None]
 
     @property
     def token_ids(self) -> list[int]:
@@ -84,6 +97,9 @@ class RequestOutput:
     text_delta: str = ""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With params.prompt_logprobs, in the request's first output: one entry per prompt token (None first).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     cached_prompt_tokens: int = 0

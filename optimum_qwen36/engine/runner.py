@@ -4,6 +4,7 @@
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
 - `decode`: one token for each of some slots; a backend with a static batch gets the rows beyond the
   caller's as dummy tokens in the cache's scratch slot and the null block, and their logits are dropped.
+- `prefill_positions`: `prefill` with the logits after every token of the chunk (prompt log-probabilities).
 - MTP speculative decoding: `prefill` with the chunk's hidden states, `verify` (several tokens per slot,
   the GDN state after each kept apart until `keep_verified_state`), and `draft` (the MTP layer).
 """
@@ -36,6 +37,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill`, also returning the normed hidden states of the (padded) chunk, [1, chunk, hidden]."""
         return self.backend.prefill_chunk_hidden(*self._prefill_args(tokens, start, slot, block_table))
+
+    def prefill_positions(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`prefill_hidden`, also returning the float32 logits after each of `tokens` [len(tokens), vocab]
+        (prompt log-probabilities)."""
+        logits, hidden = self.prefill_hidden(tokens, start, slot, block_table)
+        return logits, hidden, self.backend.position_logits(hidden[:, : len(tokens)])[0]
 
     def _prefill_args(
         self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor

@@ -28,7 +28,9 @@ class SamplingParams:
     the logits of tokens seen in the prompt or the output (transformers' rule); presence_penalty and
     frequency_penalty subtract from the logits of tokens in the output (OpenAI's rule). min_tokens holds back
     the stop tokens (EOS and stop_token_ids) until that many tokens were generated. logprobs: how many of the
-    most likely tokens' log-probabilities to return with each token (besides the sampled token's)."""
+    most likely tokens' log-probabilities to return with each token (besides the sampled token's).
+    prompt_logprobs: the same for each prompt token after the first (the log-probability the model gives it
+    after the tokens before it); such a request computes its whole prompt, reusing no cached prefix."""
 
     n: int = 1
     temperature: float = 1.0
@@ -45,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,8 +79,10 @@ class SamplingParams:
             problems.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                problems.append(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -134,6 +134,11 @@ class AOTIBackend:
         logits = step.head(self.model.last_valid(hidden, inputs.num_valid))
         return logits.cpu(), self.model.model.norm(hidden).cpu()
 
+    @torch.no_grad()
+    def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Eager: the head over many positions is one matrix product, which ATen runs well."""
+        return self.model.position_logits(*self._on_device((normed,))).cpu()
+
     def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, start_pos, num_valid, slots, block_tables, key_cache, *caches = args
         tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])

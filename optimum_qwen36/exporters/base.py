@@ -26,9 +26,12 @@ class StepBackend(Protocol):
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
 
-    # MTP speculative decoding (`Qwen36ForCausalLM.prefill_chunk_hidden`, `.verify_step`, `.mtp_step`):
-    # only backends listed in neuron_config.SPECULATIVE_BACKENDS have these.
+    # MTP speculative decoding (`Qwen36ForCausalLM.prefill_chunk_hidden`, `.verify_step`, `.mtp_step`) and
+    # prompt log-probabilities (`prefill_chunk_hidden`, `position_logits`): only backends listed in
+    # neuron_config.SPECULATIVE_BACKENDS have these.
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def position_logits(self, normed: torch.Tensor) -> torch.Tensor: ...
 
     def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -92,6 +95,10 @@ class EagerBackend:
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.prefill_chunk_hidden(*blocks_in_use("prefill_chunk", args))
+
+    @torch.no_grad()
+    def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.model.position_logits(normed)
 
     @torch.no_grad()
     def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -590,6 +590,11 @@ class Qwen36ForCausalLM(nn.Module):
         normed = self.model.norm(self.decoder(hidden, step))
         return self.lm_head(self.last_valid(normed, num_valid)).float().squeeze(1), normed
 
+    def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, T, vocab] at every position of normed hidden states [B, T, hidden] (a prompt's
+        log-probabilities)."""
+        return self.lm_head(normed).float()
+
     def verify_inputs(
         self,
         input_ids: torch.Tensor,

@@ -150,8 +150,9 @@ class PrefixCache:
         )
 
     # ------------------------------------------------------------------ lookup / lifecycle
-    def begin(self, token_ids: Sequence[int]) -> CachedSequence:
-        """Look up a prompt and acquire its longest backed prefix (blocks referenced, checkpoint pinned)."""
+    def begin(self, token_ids: Sequence[int], reuse: bool = True) -> CachedSequence:
+        """Look up a prompt and acquire its longest backed prefix (blocks referenced, checkpoint pinned).
+        `reuse=False` (the prompt's log-probabilities are wanted): a miss, whatever is cached."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot look up an empty prompt")
@@ -166,7 +167,7 @@ class PrefixCache:
 
         hit, checkpoint = 0, None
         # The last prompt token is always recomputed: its logits start generation.
-        for depth in range(min(len(path), (n - 1) // bs), 0, -1):
+        for depth in range(min(len(path), (n - 1) // bs) if reuse else 0, 0, -1):
             node = path[depth - 1]
             pos = depth * bs
             if pos % g or node.checkpoint is None:

@@ -79,6 +79,9 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # echo with logprobs: the prompt tokens' (None for the first), from the first output
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -88,6 +91,9 @@ class _Choice:
         self.token_ids += output.new_token_ids
         self.logprobs += output.logprobs
         self.top_logprobs += output.top_logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+            self.prompt_top_logprobs = output.prompt_top_logprobs or [None] * len(output.prompt_logprobs)
         self.text += output.text_delta
         self.cached_tokens = output.cached_prompt_tokens
         self.token_times += [time.monotonic()] * len(output.new_token_ids)
@@ -147,6 +153,7 @@ class OpenAIServer:
         max_tokens: int | None,
         logprobs: int | None,
         choice: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         model = self.ready()
         room = model.max_model_len - prompt_tokens
@@ -181,6 +188,7 @@ class OpenAIServer:
                 stop_token_ids=tuple(self.check_ids(body.stop_token_ids or [], "stop_token_ids")),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as error:
             raise bad_request(str(error)) from error
@@ -516,7 +524,11 @@ def _completion_prompts(server: OpenAIServer, body: CompletionRequest) -> list[l
 
 
 def _completion_logprobs(
-    tokenizer: Any, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]], offset: int
+    tokenizer: Any,
+    token_ids: list[int],
+    logprobs: list[float | None],
+    tops: list[dict[int, float] | None],
+    offset: int,
 ) -> dict[str, Any]:
     tokens = [tokenizer.decode([t]) for t in token_ids]
     offsets, position = [], offset
@@ -525,8 +537,8 @@ def _completion_logprobs(
         position += len(text)
     # One entry per token; with logprobs=0, just the chosen token's (as vLLM).
     top_logprobs = [
-        {tokenizer.decode([t]): value for t, value in top.items()} or {text: value}
-        for top, text, value in zip(tops or [{} for _ in tokens], tokens, logprobs, strict=True)
+        None if value is None else {tokenizer.decode([t]): v for t, v in (top or {}).items()} or {text: value}
+        for top, text, value in zip(tops or [None] * len(tokens), tokens, logprobs, strict=True)
     ]
     return {
         "tokens": tokens,
@@ -544,12 +556,6 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
         raise bad_request("suffix is not supported by this model.", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (only best_of == n).", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs needs prompt log-probabilities, which this server does not compute: "
-            "ask for one or the other.",
-            "echo",
-        )
     prompts = _completion_prompts(server, body)
     server.admit(len(prompts) * body.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -558,7 +564,14 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
     for p, prompt_ids in enumerate(prompts):
         for j in range(body.n):
             index = p * body.n + j
-            params = server.sampling_params(body, len(prompt_ids), body.max_tokens, body.logprobs, j)
+            params = server.sampling_params(
+                body,
+                len(prompt_ids),
+                body.max_tokens,
+                body.logprobs,
+                j,
+                prompt_logprobs=body.logprobs if body.echo else None,
+            )
             constraint = await asyncio.to_thread(server.response_constraint, body, None)
             choices.append(_Choice(index, prompt_ids))
             specs.append((index, prompt_ids, params, constraint, f"{rid}-{index}"))
@@ -567,6 +580,13 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
 
     def echo_text(choice: _Choice) -> str:
         return tokenizer.decode(choice.prompt_ids) if body.echo else ""
+
+    def prompt_logprobs(choice: _Choice) -> dict[str, Any]:
+        """The echoed prompt's logprobs object (a text completion scores its prompt: the first token has
+        none)."""
+        return _completion_logprobs(
+            tokenizer, choice.prompt_ids, choice.prompt_logprobs, choice.prompt_top_logprobs, 0
+        )
 
     def chunk(choice_payloads: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = {
@@ -593,7 +613,7 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
 
         async def events() -> AsyncIterator[str]:
             try:
-                if body.echo:
+                if body.echo and body.logprobs is None:
                     for choice in choices:
                         yield _sse(chunk([_completion_choice(choice.index, echo_text(choice), None, None)]))
                 async for index, output in runs:
@@ -601,6 +621,10 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
                     offset = len(echo_text(choice)) + len(choice.text)
                     before = len(choice.token_ids)
                     choice.add(output)
+                    if body.echo and body.logprobs is not None and before == 0:
+                        # the prompt's logprobs come with the choice's first output
+                        echoed = _completion_choice(index, echo_text(choice), prompt_logprobs(choice), None)
+                        yield _sse(chunk([echoed]))
                     logprobs = None
                     if body.logprobs is not None:
                         logprobs = _completion_logprobs(
@@ -629,6 +653,9 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
             logprobs = _completion_logprobs(
                 tokenizer, choice.token_ids, choice.logprobs, choice.top_logprobs, len(echo_text(choice))
             )
+            if body.echo:
+                echoed = prompt_logprobs(choice)
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         text = echo_text(choice) + choice.text
         payloads.append(_completion_choice(choice.index, text, logprobs, choice.finish_reason))
     return JSONResponse(chunk(payloads, usage()))
