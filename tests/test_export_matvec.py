@@ -10,9 +10,15 @@ from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import AOTIBackend, decode_linears_mode
+from optimum_qwen36.exporters.backends import (
+    AOTIBackend,
+    decode_linears_mode,
+    graphs_to_compile,
+    one_row_decode_step,
+)
 from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear
+from optimum_qwen36.neuron_config import Qwen36NeuronConfig
 from optimum_qwen36.ops.native import avx512_kernels_built, load_native_ops
 
 
@@ -114,21 +120,36 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     assert _linear_calls(rows) == 0
 
 
-def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("one_row_step", ["decode_row", "decode_step"])
+def test_one_row_runs_the_one_row_step_and_more_rows_decode_step(
+    monkeypatch: pytest.MonkeyPatch, one_row_step: str
+) -> None:
     from optimum_qwen36.exporters import backends
 
     monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
     backend.prefill_takes_any_tokens = False
     backend.device = "cpu"
+    backend.one_row_step = one_row_step
     ran: list[tuple[str, int]] = []
     backend.graphs = {
         graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)
-        for graph in ("prefill_chunk", "decode_row", "decode_step")
+        for graph in ("prefill_chunk", one_row_step, "decode_step")
     }
     for rows in (1, 2):
         backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
-    assert ran == [("decode_row", 1), ("decode_step", 2)]
+    assert ran == [(one_row_step, 1), ("decode_step", 2)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_decode_step_decodes_one_row_where_it_traces_decode_rows_ops(dtype: str, batch_size: int) -> None:
+    """decode_row's graphs are compiled only where they would differ from decode_step's: one-row
+    matrix-vector sums (float32, or no native bf16 kernel), or a batch of one (no decode_step at all)."""
+    config = Qwen36NeuronConfig(backend="cpu", batch_size=batch_size, sequence_length=512, dtype=dtype)
+    shared = avx512_kernels_built() and dtype == "bfloat16" and batch_size > 1
+    assert one_row_decode_step(config) == ("decode_step" if shared else "decode_row")
+    assert ("decode_row" in graphs_to_compile(config)) != shared
 
 
 def test_a_compiled_directory_without_its_graphs_is_refused(tiny_checkpoint, tmp_path) -> None:

@@ -380,3 +380,38 @@ def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tm
     }  # fmt: skip
     again, _ = run_engine(reloaded, requests[:2])
     assert_same_outputs(again, reference[:2])
+
+
+@pytest.mark.slow
+def test_cpu_bf16_speculative_graphs_give_the_decisive_models_tokens(oracle_drafts, tmp_path) -> None:
+    """The bf16 verify and MTP graphs (cpu, batch 3: the one-row and the batched ones) on the trained
+    pattern model, whose logits are decisive (bf16 rounding cannot flip a greedy token): each prompt's greedy
+    tokens, in one batch and alone, are the pattern's continuation (what transformers gives in fp32), with
+    drafts accepted and rejected along the way."""
+    from pattern_model import NEW_TOKENS, pattern_prompts, train_pattern_checkpoint
+    from pattern_model import SETTINGS as PATTERN_SETTINGS
+
+    from optimum_qwen36 import NeuronQwen36ForCausalLM
+
+    checkpoint, _ = train_pattern_checkpoint(tmp_path / "ckpt")
+    add_random_mtp_weights(checkpoint, tiny_text_config(), seed=3)
+    input_ids, mask, expected = pattern_prompts()
+    prompts = [ids[row_mask.bool()].tolist() for ids, row_mask in zip(input_ids, mask, strict=True)]
+    for prompt, continuation in zip(prompts, expected.tolist(), strict=True):
+        oracle_drafts[tuple(prompt)] = continuation
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint,
+        export=True,
+        backend="cpu",
+        num_speculative_tokens=2,
+        compile_cache_dir=tmp_path / "cache",
+        **PATTERN_SETTINGS,
+    )
+    assert model.neuron_config.dtype == "bfloat16"
+    requests = [(prompt, dict(max_tokens=NEW_TOKENS, ignore_eos=True)) for prompt in prompts]
+    together, engine = run_engine(model, requests)
+    alone = [run_engine(model, [request])[0][0] for request in requests]
+    for outputs in (together, alone):
+        assert [output.output_ids for output in outputs] == expected.tolist()
+    accepted = engine.stats()["speculative"]["accepted_per_position"]
+    assert accepted[0] > 0 and accepted[1] > 0

@@ -1,7 +1,8 @@
 """Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
 
 - `cpu` / `cuda`: AOTInductor packages for three steps, `prefill_chunk`, `decode_row` (one-row decode steps)
-  and, when the exported batch is larger, `decode_step` (2..batch rows); each step is compiled by regions
+  and, when the exported batch is larger, `decode_step` (2..batch rows, or 1..batch rows and no decode_row
+  where both would trace the same ops: `one_row_decode_step`); each step is compiled by regions
   (`compiled/<step>.<region>.pt2`: one graph per decoder-layer kind and the head, regions.py) that take the
   model's own tensors (memory-mapped from safetensors).
 - `neuron`: see `exporters/neuron.py`.
@@ -38,7 +39,7 @@ from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, example_step_args, rows_blocks_in_use
 from .compile_cache import CompileCache, compile_key
 from .matvec import DecodeLinears
-from .regions import compile_regions, load_step, step_files
+from .regions import StepShapes, compile_regions, load_step, step_files
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,28 @@ EXTRA_CONSTANTS = "constants.safetensors"
 CacheFactory = Callable[[str], Qwen36HybridCache]
 
 
+def one_row_decode_step(neuron_config: Qwen36NeuronConfig) -> str:
+    """The step that decodes one row. decode_row has graphs of its own where they trace other linears than
+    decode_step's (matvec.DecodeLinears: without the native bf16 kernel, or with float32 weights, one row
+    is a matrix-vector sum). On cpu with the native kernel and bf16 weights both would trace the same ops
+    (bf16_linear, fp8_linear, the native GDN and attention ops) and decode one row as fast, so a batch
+    above one row exports decode_step for 1..batch rows and no decode_row: three graphs fewer to compile."""
+    if (
+        neuron_config.backend == "cpu"
+        and neuron_config.batch_size > 1
+        and neuron_config.dtype == "bfloat16"
+        and avx512_kernels_built()
+    ):
+        return "decode_step"
+    return "decode_row"
+
+
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
-    """decode_step only when the exported batch has more than one row."""
+    """decode_step only when the exported batch has more than one row; decode_row unless decode_step
+    decodes one row too (`one_row_decode_step`)."""
     speculative = neuron_config.num_speculative_tokens > 0
-    one_row = ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
+    decode_row = ["decode_row"] if one_row_decode_step(neuron_config) == "decode_row" else []
+    one_row = ["prefill_chunk", *decode_row, *(SPECULATIVE_ROW_STEPS if speculative else ())]
     batched = ["decode_step", *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
     return [*one_row, *batched] if neuron_config.batch_size > 1 else one_row
 
@@ -87,8 +106,17 @@ class AOTIBackend:
         extra = load_file(extra_file, device=device) if extra_file.is_file() else {}
         if self.name == "cpu":
             load_native_ops()  # the graphs call its custom ops (attention; FP8 and bf16 linear layers)
-        present = [step for step in STEPS if all((files_dir / f).is_file() for f in step_files(model, step))]
-        if not {"prefill_chunk", "decode_row"} <= set(present):
+
+        def complete(step: str, one_row_step: str) -> bool:
+            return all((files_dir / f).is_file() for f in step_files(model, step, one_row_step))
+
+        # An export without decode_row graphs decodes one row with decode_step's (`one_row_decode_step`).
+        if not complete("decode_row", "decode_row") and complete("decode_step", "decode_step"):
+            self.one_row_step = "decode_step"
+        else:
+            self.one_row_step = "decode_row"
+        present = [step for step in STEPS if complete(step, self.one_row_step)]
+        if not {"prefill_chunk", self.one_row_step} <= set(present):
             needed = ", ".join(
                 dict.fromkeys(step_files(model, "prefill_chunk") + step_files(model, "decode_row"))
             )
@@ -108,12 +136,12 @@ class AOTIBackend:
         self.model = model
 
         @functools.cache
-        def load(file: str) -> CompiledGraph:  # prefill_chunk and decode_row share a head graph
+        def load(file: str) -> CompiledGraph:  # prefill_chunk shares the one-row step's head graph
             prefix = f"{file}/"
             own = {name.removeprefix(prefix): t for name, t in extra.items() if name.startswith(prefix)}
             return CompiledGraph(files_dir / file, own, device)
 
-        self.graphs = {step: load_step(model, step, load, device) for step in present}
+        self.graphs = {step: load_step(model, step, load, device, self.one_row_step) for step in present}
         self.prefill_takes_any_tokens = prefill_takes_any_tokens(model, cpu_kernels=self.name == "cpu")
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -124,7 +152,7 @@ class AOTIBackend:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run("decode_row" if args[0].shape[0] == 1 else "decode_step", args)
+        return self._run(self.one_row_step if args[0].shape[0] == 1 else "decode_step", args)
 
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +225,11 @@ class AOTIBackend:
             try:
                 examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
-                _compile_graphs(model, graphs, staging, cpu_kernels=backend == "cpu")
+                shapes = StepShapes(
+                    any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels=backend == "cpu"),
+                    one_row_step=one_row_decode_step(neuron_config),
+                )
+                _compile_graphs(model, graphs, staging, cpu_kernels=backend == "cpu", shapes=shapes)
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
                     shutil.rmtree(staging)
@@ -246,8 +278,10 @@ def _compile_graphs(
     graphs: dict[str, tuple[torch.Tensor, ...]],
     out_dir: Path,
     cpu_kernels: bool,
+    shapes: StepShapes,
 ) -> None:
-    """Compile the regions of each step (name -> example arguments) into out_dir. With cpu_kernels, where
+    """Compile the regions of each step (name -> example arguments) into out_dir, taking `shapes`. With
+    cpu_kernels, where
     the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN layers
     `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
     prefill_chunk are traced as matvec.DecodeLinears says."""
@@ -263,7 +297,7 @@ def _compile_graphs(
             graphs,
             out_dir,
             lambda step: decode_linears_mode(step, native_bf16) if cpu_kernels else None,
-            any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels),
+            shapes,
         )
     finally:
         model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)

@@ -10,7 +10,8 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 - one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
   serves every layer of its kind; the caches are updated in place as in a whole-model graph;
 - the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
-  last valid token (`model.last_valid`, eager), so prefill runs decode_row's head graph.
+  last valid token (`model.last_valid`, eager), so prefill runs the head graph of the step that decodes one
+  row (`StepShapes.one_row_step`: decode_row, or decode_step where its batch starts at one row).
 
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
@@ -52,9 +53,9 @@ PREFILL_ONLY_FIELDS = ("valid", "num_valid")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# Whose head graph each step runs (prefill's one-row logits run decode_row's), and what it computes.
+# Whose head graph each step runs (prefill's one-row logits run the one-row step's: `head_step`), and what
+# it computes.
 HEAD_OF = {
-    "prefill_chunk": "decode_row",
     "decode_row": "decode_row",
     "decode_step": "decode_step",
     "verify_row": "verify_row",
@@ -77,6 +78,21 @@ VERIFY_STEPS = ("verify_row", "verify_step")
 MTP_STEPS, MTP = ("mtp_row", "mtp_step"), "mtp"
 # Steps of 2..batch rows (one row runs the *_row step).
 BATCHED_STEPS = ("decode_step", "verify_step", "mtp_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """What the graphs take beyond their example shapes. `any_prefill_tokens`: the prefill graphs take
+    2..chunk tokens (`_dims`). `one_row_step`: the step that decodes one row, "decode_row" (graphs of their
+    own) or "decode_step" (whose batch then starts at one row, and no decode_row graph is compiled)."""
+
+    any_prefill_tokens: bool = False
+    one_row_step: str = "decode_row"
+
+
+def head_step(step: str, one_row_step: str) -> str:
+    """Whose head graph `step` runs: prefill's is the one-row decode step's."""
+    return one_row_step if step == "prefill_chunk" else HEAD_OF[step]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +151,12 @@ def region_file(step: str, region: str) -> str:
     return f"{step}.{region}.pt2"
 
 
-def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
-    """The packages a step runs (prefill_chunk's head is decode_row's)."""
+def step_files(model: Qwen36ForCausalLM, step: str, one_row_step: str = "decode_row") -> list[str]:
+    """The packages a step runs (prefill_chunk's head is the one-row decode step's)."""
     if step in MTP_STEPS:
         return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
-    return [*layers, region_file(HEAD_OF[step], HEAD)]
+    return [*layers, region_file(head_step(step, one_row_step), HEAD)]
 
 
 def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
@@ -284,22 +300,25 @@ class MTPStep:
 
 
 def _dims(
-    step: str, inputs: StepInputs, max_rows: int, any_prefill_tokens: bool
+    step: str, inputs: StepInputs, max_rows: int, shapes: StepShapes
 ) -> dict[str, dict[int, Any] | None]:
     """Dynamic dimensions of the region arguments, by StepInputs field ("hidden" too). Left dynamic:
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
       compiled sequence_length;
-    - decode_step's batch, 2..max_rows rows, so only the active rows are computed (one row runs decode_row);
-    - with `any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a chunk
-      computes its valid tokens only (`blocks_in_use`); and the MTP step's.
+    - the batched steps' batch, 2..max_rows rows, so only the active rows are computed (one row runs the
+      *_row step), or for decode_step 1..max_rows when it is `shapes.one_row_step`;
+    - with `shapes.any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a
+      chunk computes its valid tokens only (`blocks_in_use`); and the MTP step's.
     An example size of 1 would be specialised: such a dimension stays static."""
     max_blocks = inputs.block_tables.shape[1]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    batch = torch.export.Dim("batch", min=2, max=max_rows) if step in BATCHED_STEPS and max_rows > 2 else None
+    min_rows = 1 if step == shapes.one_row_step else 2
+    batched = step in BATCHED_STEPS and max_rows > min_rows
+    batch = torch.export.Dim("batch", min=min_rows, max=max_rows) if batched else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
-    many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and any_prefill_tokens)
+    many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and shapes.any_prefill_tokens)
     tokens = (
         torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=inputs.cos.shape[1]) if many_tokens else None
     )
@@ -331,14 +350,14 @@ def export_step(
     step_args: tuple[torch.Tensor, ...],
     out_dir: Path,
     tracing_mode: TorchFunctionMode | None = None,
-    any_prefill_tokens: bool = False,
+    shapes: StepShapes = StepShapes(),
 ) -> Iterator[tuple[torch.export.ExportedProgram, Path]]:
     """Export the regions of `step` with its example arguments, one at a time, each with its package path
-    out_dir/<step>.<region>.pt2 (see `compile_regions`; `_dims` for `any_prefill_tokens`)."""
+    out_dir/<step>.<region>.pt2 (see `compile_regions`; `_dims` for `shapes`)."""
     if step in MTP_STEPS:
         regions = [_mtp_region_args(model, step, step_args)]
     else:
-        regions = _layer_and_head_region_args(model, step, step_args, any_prefill_tokens)
+        regions = _layer_and_head_region_args(model, step, step_args, shapes)
     for region, module, args, shapes in regions:
         start = time.perf_counter()
         program = export_method(module, "forward", args, dynamic_shapes=shapes, tracing_mode=tracing_mode)
@@ -351,17 +370,17 @@ def compile_regions(
     steps: Mapping[str, tuple[torch.Tensor, ...]],
     out_dir: Path,
     tracing_mode_of: Callable[[str], TorchFunctionMode | None],
-    any_prefill_tokens: bool,
+    shapes: StepShapes,
 ) -> dict[str, torch.Tensor]:
     """Export and compile the regions of each step (name -> example arguments) into out_dir, each step
     traced within `tracing_mode_of(step)`. The graphs compile side by side as they are exported
     (`compile_workers.CompilePool`). Returns the tensors the traced code made itself that must be bound at
     load, as "<file>/<name>"."""
-    files = {file for step in steps for file in step_files(model, step)}
+    files = {file for step in steps for file in step_files(model, step, shapes.one_row_step)}
     paths: list[Path] = []
     with CompilePool(default_workers(len(files)), total=len(files)) as pool:
         for step, args in steps.items():
-            exported = export_step(model, step, args, out_dir, tracing_mode_of(step), any_prefill_tokens)
+            exported = export_step(model, step, args, out_dir, tracing_mode_of(step), shapes)
             for program, path in exported:
                 pool.submit(program, path)
                 paths.append(path)
@@ -374,11 +393,11 @@ def compile_regions(
 
 
 def _layer_and_head_region_args(
-    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...], any_prefill_tokens: bool
+    model: Qwen36ForCausalLM, step: str, step_args: tuple[torch.Tensor, ...], shapes: StepShapes
 ) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]]:
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
-    dims = _dims(step, inputs, max_rows=step_args[0].shape[0], any_prefill_tokens=any_prefill_tokens)
+    dims = _dims(step, inputs, max_rows=step_args[0].shape[0], shapes=shapes)
     regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
     for kind in layer_kinds(model):
         fields = layer_fields(kind.layer_type, step)
@@ -386,7 +405,7 @@ def _layer_and_head_region_args(
         args = (hidden, *(getattr(inputs, field) for field in fields), *tail)
         shapes = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
         regions.append((kind.name, layer_region(model, kind, step), args, shapes))
-    if HEAD_OF[step] == step:
+    if HEAD_OF.get(step) == step:
         head_args = (hidden, *model_weights(model, HEAD_WEIGHTS))
         regions.append((HEAD, head_region(model, step), head_args, [dims["hidden"], None, None]))
     return regions
@@ -400,7 +419,7 @@ def _mtp_region_args(
         embeds, inputs = model.mtp_inputs(
             input_ids, start_pos, num_valid, block_tables, key_cache, value_cache
         )
-    dims = _dims(step, inputs, max_rows=input_ids.shape[0], any_prefill_tokens=False)
+    dims = _dims(step, inputs, max_rows=input_ids.shape[0], shapes=StepShapes())
     fields = LAYER_FIELDS["full_attention"]
     names = mtp_tensor_names(model)
     args = (embeds, hidden, num_valid, *(getattr(inputs, f) for f in fields), *model_weights(model, names))
@@ -415,10 +434,15 @@ def _mtp_region_args(
 
 
 def load_step(
-    model: Qwen36ForCausalLM, step: str, load: Callable[[str], CompiledGraph], device: str
+    model: Qwen36ForCausalLM,
+    step: str,
+    load: Callable[[str], CompiledGraph],
+    device: str,
+    one_row_step: str = "decode_row",
 ) -> RegionalStep | MTPStep:
     """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
     if step in MTP_STEPS:
         return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    return RegionalStep(model, step, layer_graphs, load(region_file(HEAD_OF[step], HEAD)), device)
+    head = load(region_file(head_step(step, one_row_step), HEAD))
+    return RegionalStep(model, step, layer_graphs, head, device)
