@@ -56,6 +56,7 @@ class MultiTokenPredictor(nn.Module):
         return self.norm(out)
 
 
+@torch.enable_grad()  # it may train: callers may have turned gradients off
 def mtp_checkpoint(directory: Path) -> Path:
     """The trained trunk and MTP layer saved at `directory` (trained now unless already there)."""
     marker = directory / MTP_MARKER

@@ -55,6 +55,7 @@ def corpus(held_out: bool = False) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
+@torch.enable_grad()  # it may train: callers may have turned gradients off
 def text_checkpoint(directory: Path) -> Path:
     """The trained model saved at `directory` (trained now unless it is already there)."""
     marker = directory / MARKER

@@ -144,6 +144,27 @@ def test_prompt_logprobs_equal_transformers_and_ignore_the_prefix_cache(checkpoi
         assert [t for o in outputs for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
 
 
+def test_prompt_logprobs_survive_preemption(cold, cached) -> None:
+    """Requests scoring their prompts while the block pool preempts: each delivers its prompt's
+    log-probabilities once, equal to its solo run's (a preempted request computes its prompt again)."""
+    prompts = [tokens(n, 20 + i) for i, n in enumerate((300, 260, 200))]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, prompt_logprobs=1)
+    engine = cached.create_engine(num_kv_blocks=13, max_num_batched_tokens=2 * 64 + 8)  # 12 usable blocks
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    held = [engine.request(request_id) for request_id in ids]
+    delivered: dict[str, list[Any]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.prompt_logprobs is not None:
+                delivered[output.request_id].append(output.prompt_logprobs)
+    assert max(request.num_preemptions for request in held) > 0
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        (values,) = delivered[request_id]
+        alone = run_outputs(cold.create_engine(), [prompt], params)[0][0].prompt_logprobs
+        assert values[0] is None and alone[0] is None
+        torch.testing.assert_close(torch.tensor(values[1:]), torch.tensor(alone[1:]), atol=1e-5, rtol=0)
+
+
 @pytest.mark.usefixtures("sampled_logits")
 def test_requests_get_their_solo_tokens_in_company(cold, cached) -> None:
     """Up to 8 running at once out of 12, arriving at random steps: prompts of 1 to 3000 tokens (long prompts

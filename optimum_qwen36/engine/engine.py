@@ -267,7 +267,7 @@ class Engine:
             self.scheduler.slot_of(request),
             self._table(request),
         )
-        if request.needs_prompt_logprobs and chunk.start < len(request.prompt_ids):
+        if request.needs_prompt_logprobs:  # chunks run in order: this one holds prompt positions
             logits, hidden, positions = self.runner.prefill_positions(*args)
             self._note_prompt_logprobs(request, chunk.start, positions)
             hidden = hidden if self.drafter is not None else None
@@ -283,7 +283,8 @@ class Engine:
         """The log-probabilities of the prompt tokens that `logits` (after each token from position `start`)
         predict: position start + 1 onwards, up to the prompt's end."""
         targets = torch.tensor(request.prompt_ids[start + 1 : start + 1 + len(logits)], dtype=torch.long)
-        logprobs = logits[: len(targets)].log_softmax(dim=-1)
+        logprobs = logits[: len(targets)]
+        logprobs -= logprobs.logsumexp(dim=-1, keepdim=True)  # in place: chunk x vocab float32 is large
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
         top = request.params.prompt_logprobs or 0
         values, ids = logprobs.topk(top, dim=-1) if top else (None, None)

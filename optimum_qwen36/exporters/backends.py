@@ -65,7 +65,7 @@ def one_row_decode_step(neuron_config: Qwen36NeuronConfig) -> str:
     decode_step's (matvec.DecodeLinears: without the native bf16 kernel, or with float32 weights, one row
     is a matrix-vector sum). On cpu with the native kernel and bf16 weights both would trace the same ops
     (bf16_linear, fp8_linear, the native GDN and attention ops) and decode one row as fast, so a batch
-    above one row exports decode_step for 1..batch rows and no decode_row: three graphs fewer to compile."""
+    above one row exports decode_step for 1..batch rows and no decode_row graph."""
     if (
         neuron_config.backend == "cpu"
         and neuron_config.batch_size > 1
@@ -117,9 +117,9 @@ class AOTIBackend:
             self.one_row_step = "decode_row"
         present = [step for step in STEPS if complete(step, self.one_row_step)]
         if not {"prefill_chunk", self.one_row_step} <= set(present):
-            needed = ", ".join(
-                dict.fromkeys(step_files(model, "prefill_chunk") + step_files(model, "decode_row"))
-            )
+            one_row = self.one_row_step
+            files = step_files(model, "prefill_chunk", one_row) + step_files(model, one_row, one_row)
+            needed = ", ".join(dict.fromkeys(files))
             found = sorted(path.name for path in files_dir.glob("*.pt2"))
             raise FileNotFoundError(
                 f"{files_dir} lacks compiled graphs of this model (found: {', '.join(found) or 'none'}; "
@@ -280,10 +280,9 @@ def _compile_graphs(
     cpu_kernels: bool,
     shapes: StepShapes,
 ) -> None:
-    """Compile the regions of each step (name -> example arguments) into out_dir, taking `shapes`. With
-    cpu_kernels, where
-    the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN layers
-    `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
+    """Compile the regions of each step (name -> example arguments) into out_dir, taking `shapes`.
+    With cpu_kernels, where the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN
+    layers `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
     prefill_chunk are traced as matvec.DecodeLinears says."""
     total = time.perf_counter()
     native_bf16 = cpu_kernels and avx512_kernels_built()

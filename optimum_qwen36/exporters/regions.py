@@ -53,14 +53,8 @@ PREFILL_ONLY_FIELDS = ("valid", "num_valid")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# Whose head graph each step runs (prefill's one-row logits run the one-row step's: `head_step`), and what
-# it computes.
-HEAD_OF = {
-    "decode_row": "decode_row",
-    "decode_step": "decode_step",
-    "verify_row": "verify_row",
-    "verify_step": "verify_step",
-}
+# The steps with a head graph of their own (prefill's one-row logits run the one-row step's: `head_step`),
+# and what it computes.
 HEAD_FUNCTION_OF = {
     "decode_row": "decode_logits",
     "decode_step": "decode_logits",
@@ -92,7 +86,7 @@ class StepShapes:
 
 def head_step(step: str, one_row_step: str) -> str:
     """Whose head graph `step` runs: prefill's is the one-row decode step's."""
-    return one_row_step if step == "prefill_chunk" else HEAD_OF[step]
+    return one_row_step if step == "prefill_chunk" else step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,9 +352,9 @@ def export_step(
         regions = [_mtp_region_args(model, step, step_args)]
     else:
         regions = _layer_and_head_region_args(model, step, step_args, shapes)
-    for region, module, args, shapes in regions:
+    for region, module, args, dynamic in regions:
         start = time.perf_counter()
-        program = export_method(module, "forward", args, dynamic_shapes=shapes, tracing_mode=tracing_mode)
+        program = export_method(module, "forward", args, dynamic_shapes=dynamic, tracing_mode=tracing_mode)
         logger.info("Exported %s in %.1f s", region_file(step, region), time.perf_counter() - start)
         yield program, out_dir / region_file(step, region)
 
@@ -403,9 +397,9 @@ def _layer_and_head_region_args(
         fields = layer_fields(kind.layer_type, step)
         tail = layer_arguments(model.model.layers[kind.layers[0]], kind, hidden.device)
         args = (hidden, *(getattr(inputs, field) for field in fields), *tail)
-        shapes = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
-        regions.append((kind.name, layer_region(model, kind, step), args, shapes))
-    if HEAD_OF.get(step) == step:
+        dynamic = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
+        regions.append((kind.name, layer_region(model, kind, step), args, dynamic))
+    if step in HEAD_FUNCTION_OF:
         head_args = (hidden, *model_weights(model, HEAD_WEIGHTS))
         regions.append((HEAD, head_region(model, step), head_args, [dims["hidden"], None, None]))
     return regions
@@ -423,14 +417,14 @@ def _mtp_region_args(
     fields = LAYER_FIELDS["full_attention"]
     names = mtp_tensor_names(model)
     args = (embeds, hidden, num_valid, *(getattr(inputs, f) for f in fields), *model_weights(model, names))
-    shapes = [
+    dynamic = [
         dims["embeds"],
         dims["hidden"],
         dims["num_valid"],
         *(dims.get(f) for f in fields),
         *[None] * len(names),
     ]
-    return MTP, mtp_region(model), args, shapes
+    return MTP, mtp_region(model), args, dynamic
 
 
 def load_step(

@@ -195,10 +195,11 @@ class PrefixCache:
         if self.config.checkpoint_interval:
             stops.update(range(self.config.checkpoint_interval, end, self.config.checkpoint_interval))
         c = self._counters
-        c["lookups"] += 1
-        c["prompt_tokens"] += n
-        c["hit_tokens"] += hit
-        c["hits"] += hit > 0
+        if reuse:  # a lookup that may not hit is no lookup for the hit rate
+            c["lookups"] += 1
+            c["prompt_tokens"] += n
+            c["hit_tokens"] += hit
+            c["hits"] += hit > 0
         return CachedSequence(
             token_ids=tokens,
             prompt_len=n,

@@ -583,7 +583,9 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
 
     def prompt_logprobs(choice: _Choice) -> dict[str, Any]:
         """The echoed prompt's logprobs object (a text completion scores its prompt: the first token has
-        none)."""
+        none); empty for a choice that ended before its prompt was computed (an abort)."""
+        if not choice.prompt_logprobs:
+            return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         return _completion_logprobs(
             tokenizer, choice.prompt_ids, choice.prompt_logprobs, choice.prompt_top_logprobs, 0
         )

@@ -24,9 +24,12 @@ def _check_content(index: int, content: Any) -> None:
         )
     for number, part in enumerate(content):
         kind = part.get("type", "text") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        where = f"messages[{index}].content[{number}]"
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(f"{where} is a text part without a string 'text'.", f"messages.{index}.content")
+        if kind != "text":
             raise bad_request(
-                f"messages[{index}].content[{number}] is "
+                f"{where} is "
                 + (f"a '{kind}' part" if isinstance(kind, str) else "not a content part")
                 + ": this server runs the text model and takes only {'type': 'text', 'text': ...} parts.",
                 f"messages.{index}.content.{number}",
