@@ -168,6 +168,14 @@ def test_fp8_linear_equals_dequantized_linear(
     torch.testing.assert_close(bf16.double(), exact, atol=bound, rtol=2**-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_takes_zero_rows(dtype: torch.dtype) -> None:
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    q, scale = quantize_fp8(torch.randn(256, 128), (128, 128))
+    out = torch.ops.optimum_qwen36.fp8_linear(torch.empty(2, 0, 128, dtype=dtype), q, scale, 128, 128)
+    assert out.shape == (2, 0, 256) and out.dtype == dtype
+
+
 @pytest.mark.parametrize("rows", [1, 9])  # the streaming paths and the dequantizing one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_kernel_widens_every_e4m3_value_exactly(rows: int, dtype: torch.dtype) -> None:

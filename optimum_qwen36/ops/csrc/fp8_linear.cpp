@@ -152,8 +152,8 @@ at::Tensor x_in_slice_order(const at::Tensor& x) {
 }
 
 // out[g][m] for G bf16 rows of x (row stride K, in slice order) against weight row m: 64 bytes at a time
-// turned into two vectors of 32 bf16 values (e4m3x64_to_bf16), dot products summed in float32 per column block and scaled
-// once per block. Whole 64-value slices inside a block run vectorized (block_cols % 64 == 0), the rest is
+// turned into two vectors of 32 bf16 values (e4m3x64_to_bf16), dot products summed in float32 per column
+// block and scaled once per block. Whole 64-value slices inside a block run vectorized (block_cols % 64 == 0), the rest is
 // scalar. Up to 4 rows, two accumulators per x row: a dot product's latency, not the loads, would bound a
 // single chain; more rows are enough chains, and 8 rows with two each would not fit in the 32 registers.
 template <int G>
@@ -177,8 +177,8 @@ inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, co
       const __m512bh w0 = (__m512bh)first, w1 = (__m512bh)second;
       for (int g = 0; g < G; ++g) {
         even[g] = _mm512_dpbf16_ps(even[g], w0, (__m512bh)_mm512_loadu_si512(x + g * K + k));
-        __m512& second = kTwoChains ? odd[g] : even[g];
-        second = _mm512_dpbf16_ps(second, w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
+        __m512& chain = kTwoChains ? odd[g] : even[g];
+        chain = _mm512_dpbf16_ps(chain, w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
       }
     }
     float partial[G] = {};
@@ -201,7 +201,8 @@ template <int G>
 void dot_weight_row_bf16_rows(const uint8_t* w_row, const float* scale_row, const bf16* x, int64_t K,
                               int64_t block_cols, int rows, float* out, int64_t out_stride) {
   if constexpr (G > 1) {
-    if (rows < G) return dot_weight_row_bf16_rows<G - 1>(w_row, scale_row, x, K, block_cols, rows, out, out_stride);
+    if (rows < G)
+      return dot_weight_row_bf16_rows<G - 1>(w_row, scale_row, x, K, block_cols, rows, out, out_stride);
   }
   dot_weight_row_bf16<G>(w_row, scale_row, x, K, block_cols, out, out_stride);
 }
@@ -332,6 +333,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
               "fp8_linear: scale_inv must be [", scale_rows, ", ", scale_cols, "] for a [", M, ", ", K,
               "] weight in blocks of [", block_rows, ", ", block_cols, "]");
   TORCH_CHECK(x.size(-1) == K, "fp8_linear: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(K > 0, "fp8_linear: the weight has no input features");
   const auto out_shape = [&] {
     auto shape = x.sizes().vec();
     shape.back() = M;
@@ -340,6 +342,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   const at::Tensor w = weight.contiguous();
   const at::Tensor s = scale_inv.to(at::kFloat).contiguous();
   const int64_t N = x.numel() / K;
+  if (N == 0) return at::empty(out_shape, x.options());
   const uint8_t* w_ptr = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
   if (N <= kStreamRows) {
