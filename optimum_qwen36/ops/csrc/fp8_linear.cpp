@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -142,13 +143,26 @@ inline int64_t slice_position(int64_t lane) {
   return 16 * (i / 8) + 8 * half + i % 8;
 }
 
-// x [N, K] with each whole 64-value slice in slice_position order (the tail past the last whole slice as is).
+// x [N, K] (contiguous bf16) with each whole 64-value slice in slice_position order (the tail past the last
+// whole slice as is): a plain copy, cheap beside the weight it meets.
 at::Tensor x_in_slice_order(const at::Tensor& x) {
-  const int64_t K = x.size(1), whole = K / 64 * 64;
-  at::Tensor order = at::arange(K, x.options().dtype(at::kLong));
-  int64_t* o = order.data_ptr<int64_t>();
-  for (int64_t k = 0; k < whole; ++k) o[k] = k / 64 * 64 + slice_position(k % 64);
-  return x.index_select(1, order);
+  const int64_t N = x.size(0), K = x.size(1), whole = K / 64 * 64;
+  static const auto positions = [] {
+    std::array<int64_t, 64> p{};
+    for (int64_t lane = 0; lane < 64; ++lane) p[lane] = slice_position(lane);
+    return p;
+  }();
+  at::Tensor ordered = at::empty_like(x);
+  const bf16* in = reinterpret_cast<const bf16*>(x.data_ptr());
+  bf16* out = reinterpret_cast<bf16*>(ordered.data_ptr());
+  for (int64_t n = 0; n < N; ++n) {
+    const bf16* row = in + n * K;
+    bf16* o = out + n * K;
+    for (int64_t k0 = 0; k0 < whole; k0 += 64)
+      for (int64_t lane = 0; lane < 64; ++lane) o[k0 + lane] = row[k0 + positions[lane]];
+    std::copy(row + whole, row + K, o + whole);
+  }
+  return ordered;
 }
 
 // out[g][m] for G bf16 rows of x (row stride K, in slice order) against weight row m: 64 bytes at a time
