@@ -1,4 +1,5 @@
-"""Tensor parallelism on this machine: tp=1 against tp=2 (eager backend, gloo), same checkpoint
+"""Tensor parallelism on this machine: tp=1 against tp=2 (`--backend`: cpu, the compiled graphs, or eager;
+gloo), same checkpoint
 (bench_generate's random model of the Qwen3.5-0.8B shape, `--layers` layers), same tokens, same dtype; with
 the memory per rank and the collectives' traffic per decode step, measured here and computed for Qwen3.6-27B
 at TP=4.
@@ -7,10 +8,11 @@ Each figure is `--repeats` rounds after a warm-up, tp=1 and tp=2 alternated roun
 every run. tp=1 runs with all of this process's threads, tp=2 with half on each of its two processes (what
 `from_pretrained(tp_degree=2)` gives each rank), so both sides use the same cores.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_tp.py          # ~10 min on 2 cores
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_tp.py                   # cpu backend, ~10 min on 2 cores
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_tp.py --backend eager
     python benchmarks/bench_tp.py --layers 2 --decode-steps 4 --repeats 2 --output /tmp/tp.json   # smoke
 
-Writes benchmarks/results/bench_tp.json and .png and prints a table.
+Writes benchmarks/results/bench_tp_<backend>.json and .png and prints a table.
 """
 
 from __future__ import annotations
@@ -65,21 +67,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--backend", choices=("cpu", "eager"), default="cpu")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS / "bench_tp.json")
+    parser.add_argument("--output", type=Path, help="default: benchmarks/results/bench_tp_<backend>.json")
     args = parser.parse_args()
+    args.output = args.output or RESULTS / f"bench_tp_{args.backend}.json"
 
     threads = torch.get_num_threads()
     scratch = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     checkpoint = random_checkpoint(scratch / "ckpt", args.layers, getattr(torch, args.dtype))
     settings = dict(
         export=True,
-        backend="eager",
+        backend=args.backend,
         dtype=args.dtype,
         batch_size=args.batch_size,
         sequence_length=args.prompt_length + args.decode_steps + 64,
@@ -188,7 +192,8 @@ def plot(report: dict, path: Path) -> None:
         axis.bar(["tp=1", "tp=2"], medians, yerr=errors, capsize=4, color=["#888", "#3a7"])
         axis.set_title(name)
         axis.set_ylabel("tokens / s")
-    figure.suptitle("tensor parallelism on this machine (eager backend, gloo)")
+    backend = report["settings"]["backend"]
+    figure.suptitle(f"tensor parallelism on this machine ({backend} backend, gloo)")
     figure.tight_layout()
     figure.savefig(path)
 

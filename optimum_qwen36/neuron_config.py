@@ -24,7 +24,7 @@ MAX_SPECULATIVE_TOKENS = 3
 # Backends with the verify and draft steps (neuron does not compile them yet).
 SPECULATIVE_BACKENDS = ("eager", "cpu", "cuda")
 # Backends that run a model split over tp_degree processes (torch.distributed, gloo).
-TENSOR_PARALLEL_BACKENDS = ("eager",)
+TENSOR_PARALLEL_BACKENDS = ("eager", "cpu")
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -109,7 +109,7 @@ class Qwen36NeuronConfig:
             raise ValueError(
                 f"tp_degree={self.tp_degree} runs on the {' / '.join(TENSOR_PARALLEL_BACKENDS)} backend "
                 f"in this version: the {self.backend!r} backend does not compile sharded graphs yet. "
-                "Export with backend='eager', or with tp_degree=1."
+                "Export with backend='cpu' or 'eager', or with tp_degree=1."
             )
         if self.tp_degree > 1 and self.quantization is not None:
             raise ValueError(

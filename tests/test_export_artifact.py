@@ -168,6 +168,19 @@ def test_compile_cache_store_lookup_corrupt_and_clear(tmp_path: Path) -> None:
     assert cache.entries() == []
 
 
+def test_compile_cache_keeps_an_entry_another_process_stored_meanwhile(tmp_path: Path) -> None:
+    """Tensor-parallel ranks (processes) may store the same key: the first entry stays, being read."""
+    cache = CompileCache(tmp_path / "cache")
+    first, second = tmp_path / "first", tmp_path / "second"
+    for source, code in ((first, b"rank 0"), (second, b"rank 1")):
+        source.mkdir()
+        (source / "decode_step.pt2").write_bytes(code)
+    entry = cache.store("k1", first, {})
+    assert cache.store("k1", second, {}) == entry
+    assert (entry / "decode_step.pt2").read_bytes() == b"rank 0"
+    assert [p.name for p in cache.root.iterdir()] == ["k1"]  # no staging directory left behind
+
+
 def test_cache_dir_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("OPTIMUM_QWEN36_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path

@@ -1,11 +1,13 @@
-"""Tensor parallelism: a model split over 2 processes (gloo, fp32, eager backend) gives the tokens of one
-process and logits within 1e-5 of the largest, on a configuration that exercises the awkward cases (one KV
-head for 2 ranks: replicated; 6 GDN value heads over 2 key heads: HV / H = 3), through generate() and the
-engine, with prefix caching on; the sharding plan's checks; saving and loading; a killed worker."""
+"""Tensor parallelism: a model split over 2 processes (gloo, fp32; the eager backend, and the cpu backend's
+compiled graphs with the collectives inside) gives the tokens of one process and logits within 1e-5 of the
+largest, on a configuration that exercises the awkward cases (one KV head for 2 ranks: replicated; 6 GDN
+value heads over 2 key heads: HV / H = 3), through generate() and the engine, with prefix caching on; the
+sharding plan's checks; saving and loading; a killed worker."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.exporters.artifact import MANIFEST_NAME
 from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
 from optimum_qwen36.modeling.tensor_parallel import (
     TensorParallelError,
@@ -51,9 +54,25 @@ def one(checkpoint: Path) -> NeuronQwen36ForCausalLM:
     return export_eager(checkpoint, prefix_caching=True, **SETTINGS)
 
 
-@pytest.fixture(scope="module")
-def two(checkpoint: Path) -> NeuronQwen36ForCausalLM:
-    return export_eager(checkpoint, prefix_caching=True, tp_degree=2, **SETTINGS)
+@pytest.fixture(scope="module", params=["eager", "cpu"])
+def two(
+    request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> NeuronQwen36ForCausalLM:
+    """tp=2 on the eager backend, and on the cpu backend: each rank's AOTInductor graphs with the
+    collectives inside (and the verify / draft graphs of MTP speculative decoding, which the engine then
+    runs)."""
+    if request.param == "eager":
+        return export_eager(checkpoint, prefix_caching=True, tp_degree=2, **SETTINGS)
+    cache = tmp_path_factory.mktemp("tp-compile-cache")
+    return export_eager(
+        checkpoint,
+        backend="cpu",
+        compile_cache_dir=cache,
+        num_speculative_tokens=2,
+        prefix_caching=True,
+        tp_degree=2,
+        **SETTINGS,
+    )
 
 
 def assert_logits_close(reference: torch.Tensor, other: torch.Tensor) -> None:
@@ -161,17 +180,35 @@ def test_split_kv_heads_tied_embeddings_and_an_engine_outliving_its_model(tmp_pa
 
 
 def test_save_and_load(two, checkpoint: Path, tmp_path: Path) -> None:
-    two.save_pretrained(tmp_path / "saved")
-    original = load_file(checkpoint / "model.safetensors")
-    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    directory = tmp_path / "saved"
+    two.save_pretrained(directory)
+    original = {**load_file(checkpoint / "model.safetensors"), **load_file(checkpoint / "mtp.safetensors")}
+    saved = load_file(directory / "model.safetensors")
     assert all(torch.equal(saved[name], original[name]) for name in saved)
-    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert manifest["sharding_plan"][qkv] == "qkv"
+    assert manifest["sharding_plan"]["model.layers.0.mlp.down_proj.weight"] == "columns"
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(directory)
     assert loaded.neuron_config.tp_degree == 2
     prompt = torch.tensor([[5, 6, 7, 8]])
     expected = two.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
     with pytest.raises(ValueError, match="tp_degree"):
-        NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved", tp_degree=1)
+        NeuronQwen36ForCausalLM.from_pretrained(directory, tp_degree=1)
+    if two.neuron_config.backend != "cpu":
+        return
+    # The loaded graphs run the collectives: a killed worker fails the next one, with a clear error.
+    os.kill(loaded.tensor_parallel.group.workers[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelWorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        loaded.generate(prompt, max_new_tokens=4)
+    assert time.monotonic() - start < 30
+    # Graphs compiled for another plan's local shapes are refused.
+    manifest["sharding_plan"][qkv] = "rows"
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(TensorParallelError, match=f"another sharding plan \\({qkv}: split as 'rows'"):
+        NeuronQwen36ForCausalLM.from_pretrained(directory)
 
 
 def test_speculative_decoding_matches_one_process(checkpoint: Path) -> None:

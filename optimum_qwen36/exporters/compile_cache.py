@@ -135,8 +135,11 @@ class CompileCache:
             with open(staging / ENTRY_NAME, "w") as f:
                 json.dump(info, f, indent=2, sort_keys=True, default=str)
             entry = self.root / key
-            if entry.exists():
-                shutil.rmtree(entry)
+            if self.lookup(key) is not None:
+                # Another process (a tensor-parallel rank, say) stored it meanwhile and may be reading it.
+                shutil.rmtree(staging)
+                return entry
+            shutil.rmtree(entry, ignore_errors=True)
             staging.rename(entry)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -13,6 +13,7 @@ package this process would have written.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -29,15 +30,18 @@ from types import TracebackType
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
+from ..modeling.tensor_parallel import stand_in_group
 from . import aoti
 from .aoti import bound_constants, package_program
 
 logger = logging.getLogger(__name__)
 
 NATIVE_NAMESPACE = "optimum_qwen36"
+COLLECTIVES_NAMESPACE = "_c10d_functional"
 WORKER_COMMAND = (sys.executable, "-m", __name__)
 
 
@@ -75,6 +79,24 @@ def calls_native_ops(program: torch.export.ExportedProgram) -> bool:
         if node.op == "call_function"
         for op in (node.target, *node.args[:1])
     )
+
+
+def process_groups_called(program: torch.export.ExportedProgram) -> dict[str, tuple[int, int]]:
+    """The process groups the program's collectives name (`_c10d_functional` ops), each with this process's
+    rank in it and its size as registered now: Inductor asks the group for its size, so a worker compiles
+    the program with a stand-in of the same rank and size (`tensor_parallel.stand_in_group`)."""
+    names = set()
+    for node in program.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if op.namespace == COLLECTIVES_NAMESPACE:
+            arguments = dict(zip((a.name for a in op._schema.arguments), node.args, strict=False))
+            arguments.update(node.kwargs)
+            if "group_name" in arguments:  # wait_tensor names none
+                names.add(arguments["group_name"])
+    groups = {name: dist.distributed_c10d._resolve_process_group(name) for name in sorted(names)}
+    return {name: (group.rank(), group.size()) for name, group in groups.items()}
 
 
 @dataclass(frozen=True)
@@ -202,6 +224,7 @@ class CompilePool:
                         "package": str(job.package),
                         "configs": self._configs,
                         "native_ops": calls_native_ops(job.program),
+                        "process_groups": process_groups_called(job.program),
                     }
                     reply = _ask(worker, request, stderr)
                     if "error" in reply:
@@ -289,7 +312,10 @@ def _serve() -> None:
             torch._inductor.config.load_config(Path(job["inductor_config"]).read_bytes())
             program = torch.export.load(job["program"])
             _restore_example_inputs(program, job["devices"])
-            package_program(program, job["package"], job["configs"])
+            with contextlib.ExitStack() as groups:
+                for name, (rank, size) in job["process_groups"].items():
+                    groups.enter_context(stand_in_group(rank, size, name))
+                package_program(program, job["package"], job["configs"])
             reply: dict[str, Any] = {"seconds": time.perf_counter() - start}
         except Exception:
             reply = {"error": traceback.format_exc()}

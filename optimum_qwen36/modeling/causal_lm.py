@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -47,7 +48,14 @@ from .generation import (
 )
 from .quantization import Fp8Quantization
 from .qwen36 import Qwen36ForCausalLM
-from .tensor_parallel import check_tp_degree, parallelize, unshard_tensor
+from .tensor_parallel import (
+    FunctionalCollectives,
+    check_sharding_plan,
+    check_tp_degree,
+    parallelize,
+    sharding_plan,
+    unshard_tensor,
+)
 from .weights import (
     build_model,
     checkpoint_fp8_modules,
@@ -74,6 +82,9 @@ RUNTIME_SETTINGS = (
     "prefix_cache_granularity",
     "prefix_cache_interval",
 )
+
+# The manifest entry of a tensor-parallel artifact naming how each saved tensor is split over the ranks.
+SHARDING_PLAN = "sharding_plan"
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -246,7 +257,12 @@ class NeuronModelForCausalLM:
         `tp_degree` > 1, this process and tp_degree - 1 workers each build one rank's shard
         (`tp_group`: the rank this call builds, given by the launcher)."""
         if neuron_config.tp_degree > 1 and tp_group is None:
-            options = {"token": token, "revision": revision, "compiled_dir": compiled_dir}
+            options = {
+                "token": token,
+                "revision": revision,
+                "compiled_dir": compiled_dir,
+                "compile_cache": compile_cache,
+            }
             job = functools.partial(_export_rank, cls, model_id, neuron_config, options)
             return launch(neuron_config.tp_degree, job, serve_driver)[1]
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
@@ -269,17 +285,24 @@ class NeuronModelForCausalLM:
         )
         replicas = None
         if tp_group is not None:
-            parallelize(model, tp_group.rank, tp_group.all_reduce, tp_group.all_gather)
+            parallelize(model, tp_group.rank, FunctionalCollectives(tp_group.degree))
             replicas = Driver(tp_group) if tp_group.is_driver else Worker(tp_group)
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
-        backend = create_backend(
-            model,
-            neuron_config,
-            lambda device: cls.cache_for(model.config, neuron_config, device),
-            compiled_dir=None if compiled_dir is None else Path(compiled_dir),
-            cache=compile_cache,
-        )
+        with contextlib.ExitStack() as compiling:
+            if tp_group is not None and neuron_config.backend != "eager":
+                # Every rank's graphs are the same code (same local shapes, weights bound at load): with a
+                # compile cache, the other ranks take rank 0's compilation from it instead of redoing it.
+                if compile_cache is not None and compiled_dir is None:
+                    compiling.enter_context(tp_group.driver_first("compiled"))
+                compiling.enter_context(tp_group.stand_in())
+            backend = create_backend(
+                model,
+                neuron_config,
+                lambda device: cls.cache_for(model.config, neuron_config, device),
+                compiled_dir=None if compiled_dir is None else Path(compiled_dir),
+                cache=compile_cache,
+            )
         face = model_cls(
             text_config, neuron_config, model, backend, generation_config, tokenizer_dir, replicas
         )
@@ -338,7 +361,9 @@ class NeuronModelForCausalLM:
                 "(the files are still checked against the sha256 in its manifest)."
             )
         if compiled:
-            artifact.verify_artifact(directory, neuron_config.backend, neuron_config.tp_degree)
+            manifest = artifact.verify_artifact(directory, neuron_config.backend, neuron_config.tp_degree)
+            if neuron_config.tp_degree > 1:
+                check_sharding_plan(manifest.get(SHARDING_PLAN))
         elif os.path.isfile(os.path.join(directory, artifact.MANIFEST_NAME)):
             # No compiled code: the hashes matter, the versions that wrote it do not.
             artifact.verify_files(directory, artifact.read_manifest(directory))
@@ -358,7 +383,14 @@ class NeuronModelForCausalLM:
         self.backend.save(Path(save_directory))
         artifact.write_model_card(save_directory, self.neuron_config)
         # Last: it hashes every file written above.
-        artifact.write_manifest(save_directory, self.neuron_config.backend, self.neuron_config.tp_degree)
+        # Every rank runs the same graphs (`compiled/`: same local shapes, weights bound at load); the plan
+        # says which slice of each saved tensor a rank binds to them.
+        plan = {}
+        if self.neuron_config.tp_degree > 1:
+            plan = {SHARDING_PLAN: sharding_plan(name for name, _ in self.model.named_parameters())}
+        artifact.write_manifest(
+            save_directory, self.neuron_config.backend, self.neuron_config.tp_degree, extra=plan
+        )
 
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
         if isinstance(self.tensor_parallel, Driver):

@@ -15,28 +15,41 @@ and a narrower MLP, the same hidden size), so the model code knows nothing of TP
   the output projection are most of the bytes a decode step reads on a small model, and replicating them
   would make every rank read all of them.
 - `parallelize` (gpt-fast's module surgery) adds the collectives: the outputs of `o_proj`, `out_proj` and
-  `down_proj` are partial sums, summed over the ranks in place (a forward hook on each); the embedding
-  gives zeros for other ranks' tokens and is summed the same way; the lm_head's logits are gathered. Every
-  rank then holds the same hidden state after each mixer and MLP, and the same logits.
+  `down_proj` are partial sums, summed over the ranks (a forward hook on each); the embedding gives zeros
+  for other ranks' tokens and is summed the same way; the lm_head's logits are gathered. Every rank then
+  holds the same hidden state after each mixer and MLP, and the same logits. The collectives are
+  torch.distributed's functional ones, so the same model code runs eagerly and exports into compiled
+  graphs (AOTInductor compiles them to calls of the process group registered as `GROUP_NAME`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._C._distributed_c10d import (
+    FakeProcessGroup,
+    ProcessGroup,
+    _register_process_group,
+    _unregister_process_group,
+)
 from transformers import PretrainedConfig
 
 # Modules whose output is a partial sum over the ranks (row-parallel linears).
 ROW_PARALLEL = ("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj")
 VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
 
-AllReduce = Callable[[torch.Tensor], None]
-AllGather = Callable[[torch.Tensor], list[torch.Tensor]]
+# The process group name the collectives are called by. Compiled graphs hold it (AOTInductor writes the
+# name into the generated code), so it is one constant: whoever runs a rank's model binds it to that rank's
+# process group (parallel/group.py) before the model runs.
+GROUP_NAME = "optimum_qwen36_tp"
 
 
 class TensorParallelError(ValueError):
@@ -113,7 +126,7 @@ def _kv_heads(config: PretrainedConfig, tensor: torch.Tensor, rank: int, degree:
     return tensor.chunk(kv, dim=0)[rank // (degree // kv)]
 
 
-def _split_kind(name: str) -> str:
+def split_kind(name: str) -> str:
     """How the checkpoint tensor `name` is split: "qkv", "rows", "kv", "columns", "bias" (row-parallel
     bias: rank 0 adds it) or "replicated"."""
     module, _, kind = name.rpartition(".")
@@ -132,11 +145,33 @@ def _split_kind(name: str) -> str:
     return "replicated"  # norms, the MTP layer's fc
 
 
+def sharding_plan(names: Iterable[str]) -> dict[str, str]:
+    """How each of these tensors is split over the ranks (`split_kind`): what a saved artifact records."""
+    return {name: split_kind(name) for name in names}
+
+
+def check_sharding_plan(plan: dict[str, str] | None) -> None:
+    """Refuse a saved tensor-parallel model whose recorded plan is not this version's: its graphs were
+    compiled for other local shapes."""
+    if plan is None:
+        raise TensorParallelError(
+            "This tensor-parallel model was saved without its sharding plan: re-export it "
+            "(from_pretrained(checkpoint, export=True, tp_degree=...))."
+        )
+    changed = [name for name, split in plan.items() if split_kind(name) != split]
+    if changed:
+        raise TensorParallelError(
+            f"This tensor-parallel model was saved with another sharding plan ({changed[0]}: split as "
+            f"{plan[changed[0]]!r}, this version splits it as {split_kind(changed[0])!r}): its graphs were "
+            "compiled for other shapes. Re-export it (from_pretrained(checkpoint, export=True, ...))."
+        )
+
+
 def shard_tensor(
     config: PretrainedConfig, name: str, tensor: torch.Tensor, rank: int, degree: int
 ) -> torch.Tensor:
     """The slice of the checkpoint tensor `name` (a model parameter name) that rank `rank` holds."""
-    split = _split_kind(name)
+    split = split_kind(name)
     if degree == 1 or split == "replicated":
         return tensor
     if split == "qkv":
@@ -155,7 +190,7 @@ def unshard_tensor(
 ) -> torch.Tensor:
     """The checkpoint tensor `name` joined from every rank's slice (`shards[r]`: rank r's), inverting
     `shard_tensor`."""
-    split = _split_kind(name)
+    split = split_kind(name)
     if degree == 1 or split in ("replicated", "bias"):
         return shards[0]
     if split == "rows":
@@ -172,46 +207,105 @@ def unshard_tensor(
     return torch.cat([torch.cat([s[i] for s in sections], dim=0) for i in range(3)], dim=0)
 
 
+def named_process_group(
+    backend: Any, store: Any, rank: int, degree: int, name: str = GROUP_NAME
+) -> ProcessGroup:
+    """A ProcessGroup called `name` running `backend` (gloo's, or a stand-in) on cpu tensors: what
+    torch.distributed's registry of named groups holds."""
+    group = ProcessGroup(store, rank, degree)
+    gloo = isinstance(backend, dist.ProcessGroupGloo)
+    kind = ProcessGroup.BackendType.GLOO if gloo else ProcessGroup.BackendType.CUSTOM
+    group._set_default_backend(kind)
+    group._register_backend(torch.device("cpu"), kind, backend)
+    group._set_group_name(name)
+    return group
+
+
+def bind_group(group: ProcessGroup, name: str = GROUP_NAME) -> None:
+    """Register `group` under `name` (in this process), in place of whatever was."""
+    with contextlib.suppress(RuntimeError):  # nothing registered yet, or a group since destroyed
+        if dist.distributed_c10d._resolve_process_group(name) is group:
+            return
+    with contextlib.suppress(RuntimeError):
+        _unregister_process_group(name)
+    _register_process_group(name, group)
+
+
+@contextlib.contextmanager
+def stand_in_group(rank: int, degree: int, name: str = GROUP_NAME) -> Iterator[None]:
+    """Register torch's FakeProcessGroup of this rank and degree under `name` while a rank's graphs are
+    traced and compiled, before the ranks connect: Inductor asks the group for its size, and the collectives
+    of the example inputs (whose values are not used) return at once."""
+    fake = FakeProcessGroup._create_internal(rank, degree, FakeProcessGroup.Options())
+    group = named_process_group(fake, dist.HashStore(), rank, degree, name)
+    bind_group(group, name)
+    try:
+        yield
+    finally:
+        _unregister_process_group(name)
+
+
+class FunctionalCollectives:
+    """torch.distributed's functional collectives over the group registered as `group_name`: plain ops
+    (`_c10d_functional.all_reduce` / `all_gather_into_tensor`, then `wait_tensor`) that run eagerly and that
+    `torch.export` traces into a graph, so compiled graphs run them at the same points as eager code."""
+
+    def __init__(self, degree: int, group_name: str = GROUP_NAME) -> None:
+        self.degree = degree
+        self.group_name = group_name
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over the ranks (every rank gets the same bits)."""
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_reduce(tensor, "sum", self.group_name))
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on each) concatenated along the last dimension, in rank order."""
+        ops = torch.ops._c10d_functional
+        gathered = ops.all_gather_into_tensor(tensor.contiguous(), self.degree, self.group_name)
+        stacked = ops.wait_tensor(gathered)
+        ranks_last = stacked.view(self.degree, *tensor.shape).movedim(0, -2)
+        return ranks_last.reshape(*tensor.shape[:-1], self.degree * tensor.shape[-1])
+
+
 class VocabParallelEmbedding(nn.Module):
     """One rank's rows of the embedding table, `weight` [V / N, hidden] for tokens start..: other ranks'
     tokens embed as zeros, and the sum over the ranks is every token's row (x + 0 is exact)."""
 
-    def __init__(self, weight: nn.Parameter, start: int, all_reduce: AllReduce) -> None:
+    def __init__(self, weight: nn.Parameter, start: int, collectives: FunctionalCollectives) -> None:
         super().__init__()
         self.weight = weight
         self.start = start
-        self.all_reduce = all_reduce
+        self.collectives = collectives
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.weight.shape[0])
         embeds = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        embeds = embeds * mine.unsqueeze(-1).to(embeds.dtype)
-        self.all_reduce(embeds)
-        return embeds
+        return self.collectives.all_reduce(embeds * mine.unsqueeze(-1).to(embeds.dtype))
 
 
 class VocabParallelLMHead(nn.Module):
     """One rank's rows of the output projection, `weight` [V / N, hidden]; the ranks' logits are gathered."""
 
-    def __init__(self, weight: nn.Parameter, all_gather: AllGather) -> None:
+    def __init__(self, weight: nn.Parameter, collectives: FunctionalCollectives) -> None:
         super().__init__()
         self.weight = weight
-        self.all_gather = all_gather
+        self.collectives = collectives
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.all_gather(F.linear(hidden, self.weight)), dim=-1)
+        return self.collectives.all_gather_last_dim(F.linear(hidden, self.weight))
 
 
-def parallelize(model: nn.Module, rank: int, all_reduce: AllReduce, all_gather: AllGather) -> None:
+def parallelize(model: nn.Module, rank: int, collectives: FunctionalCollectives) -> None:
     """Add the collectives to one rank's model (built from `shard_config`, holding its shards)."""
 
-    def reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-        all_reduce(output)
+    def reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(output)
 
     for name, module in model.named_modules():
         if name.endswith(ROW_PARALLEL):
             module.register_forward_hook(reduce_output)
     embedding = model.model.embed_tokens.weight
-    model.model.embed_tokens = VocabParallelEmbedding(embedding, rank * embedding.shape[0], all_reduce)
-    model.lm_head = VocabParallelLMHead(model.lm_head.weight, all_gather)  # the same Parameter when tied
+    model.model.embed_tokens = VocabParallelEmbedding(embedding, rank * embedding.shape[0], collectives)
+    model.lm_head = VocabParallelLMHead(model.lm_head.weight, collectives)  # the same Parameter when tied

@@ -17,6 +17,7 @@ closed by peer"); the group then reports which rank died and how.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
@@ -29,11 +30,13 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..modeling.tensor_parallel import bind_group, named_process_group, stand_in_group
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +93,29 @@ class TensorParallelGroup:
         """Join the process group (every rank at once: gloo connects each pair of ranks)."""
         if self.process_group is None:
             prefix = dist.PrefixStore("optimum-qwen36-tp", self.store)
-            self.process_group = dist.ProcessGroupGloo(prefix, self.rank, self.degree, COLLECTIVE_TIMEOUT)
+            gloo = dist.ProcessGroupGloo(prefix, self.rank, self.degree, COLLECTIVE_TIMEOUT)
+            self.process_group = named_process_group(gloo, prefix, self.rank, self.degree)
+        self.bind()
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over the ranks, in place (every rank gets the same bits)."""
-        self.process_group.allreduce([tensor]).wait()
+    def bind(self) -> None:
+        """Make the model's collectives (called by the group name that compiled graphs hold) run on this
+        group. A process may hold the ranks of several models: each call binds its own."""
+        bind_group(self.process_group)
+
+    def stand_in(self) -> contextlib.AbstractContextManager[None]:
+        """While this rank traces and compiles its graphs, before the ranks connect: see `stand_in_group`."""
+        return stand_in_group(self.rank, self.degree)
+
+    @contextlib.contextmanager
+    def driver_first(self, step: str) -> Iterator[None]:
+        """Rank 0 runs the block first, the other ranks once it has finished (compiling into a compile cache
+        the others then read). If rank 0 fails, the launcher stops the waiting workers."""
+        if not self.is_driver:
+            self.take(f"{step}/{self.rank}")
+        yield
+        if self.is_driver:
+            for rank in range(1, self.degree):
+                self.post(f"{step}/{rank}", None)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on each), in rank order."""

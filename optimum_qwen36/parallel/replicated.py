@@ -142,6 +142,7 @@ class Driver(Replicas):
                 raise
             # From here the workers run the call: any failure that leaves the ranks apart ends the group.
             number = next(self._calls)
+            self.group.bind()
             try:
                 for rank in range(1, self.group.degree):
                     self.group.post_bytes(f"call/{number}/{rank}", payload)
@@ -278,6 +279,7 @@ class Worker(Replicas):
                 for replica in call.released:
                     self.objects.pop(replica, None)
                 torch.set_rng_state(call.rng_state)
+                self.group.bind()
                 result = getattr(self.objects[call.target], call.method)(*call.args, **call.kwargs)
             except BaseException as error:
                 self.group.post(f"done/{number}/{rank}", (False, f"{type(error).__name__}: {error}"))
