@@ -1,17 +1,18 @@
 """Weight-streaming rate of decode-sized linear layers: ATen's `F.linear` against `matrix_vector_linear` (the
-cpu backend's one-row form for float32, optimum_qwen36/exporters/matvec.py) and, for bf16 where it is built
-with AVX-512 BF16, the native kernel `optimum_qwen36::bf16_linear` (what every bf16 decode graph runs), each
-compiled by Inductor.
+cpu backend's one-row form, optimum_qwen36/exporters/matvec.py), for float32 `weight_major_linear` (its form
+for more rows: weight @ x.T) and, for bf16 where it is built with AVX-512 BF16, the native kernel
+`optimum_qwen36::bf16_linear` (what every bf16 decode graph runs), each compiled by Inductor.
 
 Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
 128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 663 MB in bf16, far more than the
 caches, so the weights come from memory as in a decode step), and the 248320 x 1024 output projection alone
 (508 MB). GB/s = weight bytes read / time of one call, each way compiled by Inductor as one graph over all
 the weights (as in the exported step graphs); --repeats runs after a warm-up, the two ways alternated run by
-run (same machine load), kept with min / median / max (the median is the headline figure). One row
-(batch-1 decode), and 8 rows, which F.linear reads once for all rows and the one-row form once per row.
+run (same machine load), kept with min / median / max (the median is the headline figure). `--rows`: one
+row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py        # bf16, the machine's threads
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py --dtype float32 --rows 1 2 4 8
     python benchmarks/bench_matvec.py --layers 4 --skip-output-projection --repeats 3 --output /tmp/mv.json
 
 Writes benchmarks/results/bench_matvec.json.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from timing import alternate, command_line, fmt, machine, paired_ratios, rates, wall
 
-from optimum_qwen36.exporters.matvec import matrix_vector_linear
+from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_linear
 from optimum_qwen36.ops.native import avx512_kernels_built
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,6 +43,10 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([matrix_vector_linear(row, weight, None) for row in x.split(1)])
 
 
+def weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight_major_linear(x, weight, None)
+
+
 def native_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.optimum_qwen36.bf16_linear(x, weight, None)
 
@@ -52,9 +57,14 @@ def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dic
     inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
     total = sum(w.numel() * w.element_size() for w in weights)
     ways = [("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)]
+    if weights[0].dtype == torch.float32:
+        ways.append(("weight_major_linear", weight_major))
     if weights[0].dtype == torch.bfloat16 and avx512_kernels_built():
         ways.append(("bf16_linear", native_linear))
     measures = {}
+    # Each way compiles the same function anew: without a reset, dynamo's recompile limit would make the
+    # later sets run eagerly.
+    torch._dynamo.reset()
     for name, linear in ways:
 
         def apply_all(xs: list[torch.Tensor], ws: list[torch.Tensor], linear=linear) -> list[torch.Tensor]:
@@ -77,6 +87,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--layers", type=int, default=16, help="layers' projections (multiple of 4)")
     parser.add_argument("--skip-output-projection", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="x rows per call")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_matvec.json")
     args = parser.parse_args()
@@ -104,7 +115,7 @@ def main() -> None:
     }
     for label, weights in sets:
         report["weight_bytes"][label] = sum(w.numel() * w.element_size() for w in weights)
-        for rows in (1, 8):
+        for rows in args.rows:
             result = streaming_rates(weights, rows, args.repeats)
             report["gb_per_s"][f"{label}, {rows} row(s)"] = result
             print(

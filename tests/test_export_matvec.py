@@ -3,6 +3,8 @@ row, matrix-vector products."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from optimum_qwen36.exporters.backends import (
     one_row_decode_step,
 )
 from optimum_qwen36.exporters.base import example_step_args
-from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear
+from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear, weight_major_linear
 from optimum_qwen36.neuron_config import Qwen36NeuronConfig
 from optimum_qwen36.ops.native import avx512_kernels_built, load_native_ops
 
@@ -35,14 +37,29 @@ def test_matrix_vector_linear_equals_linear(dtype: torch.dtype) -> None:
     assert matrix_vector_linear(x, weight, None).dtype == dtype
 
 
-def test_mode_rewrites_only_one_row_linears() -> None:
+def test_weight_major_linear_equals_linear() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 300, generator=generator)
+    weight = torch.randn(70, 300, generator=generator)
+    bias = torch.randn(70, generator=generator)
+    for b in (None, bias):
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = weight_major_linear(x, weight, b)
+        assert got.shape == (3, 2, 70) and got.dtype == torch.float32
+        assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_mode_rewrites_one_row_and_float32_linears() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(16, 8)
+    bf16_layer = copy.deepcopy(layer).bfloat16()
     one, two = torch.randn(1, 1, 16), torch.randn(2, 1, 16)
     with DecodeLinears(native_bf16=False, static_rows=True):
-        one_out, two_out = layer(one), layer(two)
+        one_out, two_out, bf16_out = layer(one), layer(two), bf16_layer(two.bfloat16())
     assert torch.equal(one_out, matrix_vector_linear(one, layer.weight, layer.bias))
-    assert torch.equal(two_out, F.linear(two, layer.weight, layer.bias))
+    assert torch.equal(two_out, weight_major_linear(two, layer.weight, layer.bias))
+    # bf16 without the native kernel: BLAS reads the weight once per row in either orientation
+    assert torch.equal(bf16_out, F.linear(two.bfloat16(), bf16_layer.weight, bf16_layer.bias))
 
 
 needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU kernels cannot be built here")
@@ -81,7 +98,7 @@ def test_bf16_linear_of_a_non_contiguous_input() -> None:
 @pytest.mark.skipif(not avx512_kernels_built(), reason="no AVX-512 BF16 here: bf16 decode keeps F.linear")
 def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     """On a CPU with AVX-512 BF16, the batched bf16 decode step calls the kernel for every projection;
-    prefill keeps ATen's matrix product; a float32 model keeps F.linear in the batched step."""
+    prefill keeps ATen's matrix product."""
     checkpoint, _ = tiny_checkpoint()
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, dtype="bfloat16"
@@ -90,12 +107,28 @@ def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     step = _MethodAsForward(model.model, "decode_step")
     mode = decode_linears_mode("decode_step", native_bf16=True)
     assert decode_linears_mode("prefill_chunk", native_bf16=True) is None
-    assert decode_linears_mode("decode_step", native_bf16=False) is None
     with torch.no_grad(), mode:
         program = torch.export.export(step, args, strict=False)
     kernel = torch.ops.optimum_qwen36.bf16_linear.default
     assert _linear_calls(program) == 0
     assert sum(node.target is kernel for node in program.graph.nodes) > 4 * model.config.num_hidden_layers
+
+
+def test_float32_batched_decode_multiplies_weight_major(tiny_checkpoint) -> None:
+    """A float32 model's batched decode step has no F.linear left: each projection is weight @ x.T."""
+    checkpoint, _ = tiny_checkpoint()
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, prefill_chunk_size=16
+    )
+    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    step = _MethodAsForward(model.model, "decode_step")
+    mode = decode_linears_mode("decode_step", native_bf16=False)
+    assert decode_linears_mode("prefill_chunk", native_bf16=False) is None
+    with torch.no_grad(), mode:
+        program = torch.export.export(step, args, strict=False)
+    matrix_products = sum(node.target is torch.ops.aten.mm.default for node in program.graph.nodes)
+    assert _linear_calls(program) == 0
+    assert matrix_products > 4 * model.config.num_hidden_layers
 
 
 def _linear_calls(program: torch.export.ExportedProgram) -> int:

@@ -262,15 +262,13 @@ def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> boo
 
 
 def decode_linears_mode(step: str, native_bf16: bool) -> DecodeLinears | None:
-    """How `step`'s linear layers are traced on cpu: every step but prefill_chunk calls the native bf16
-    kernel for bf16 weights when `native_bf16`; decode_row (the one graph whose shapes are all static: the
-    other one-row graphs take a dynamic number of positions) also writes its other linears as matrix-vector
-    products."""
-    if step == "decode_row":
-        return DecodeLinears(native_bf16, static_rows=True)
-    if native_bf16 and step != "prefill_chunk":
-        return DecodeLinears(native_bf16, static_rows=False)
-    return None
+    """How `step`'s linear layers are traced on cpu: every step but prefill_chunk as matvec.DecodeLinears
+    says (the native bf16 kernel for bf16 weights when `native_bf16`, float32 weights as weight @ x.T);
+    decode_row (the one graph whose shapes are all static: the other one-row graphs take a dynamic number
+    of positions) writes its other linears as matrix-vector products."""
+    if step == "prefill_chunk":
+        return None
+    return DecodeLinears(native_bf16, static_rows=step == "decode_row")
 
 
 def _compile_graphs(
