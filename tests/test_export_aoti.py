@@ -3,6 +3,8 @@ cache written with index_put_, a block gather): weights outside the package, in-
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,45 @@ def test_a_custom_op_writing_a_whole_input_is_in_place_and_a_view_is_refused(tmp
     assert torch.equal(table, expected)
     with pytest.raises(CopyingMutationError, match=r"input 0|table"):
         compile_method(CustomOpWriter(), "view", (torch.ones(3, 4, 5), rows), tmp_path / "view.pt2")
+
+
+class SlowStep(nn.Module):
+    """Half a second of matrix products on these machines: long enough to see who else runs meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(768, 768) / 768**0.5)
+
+    def step(self, x):
+        for _ in range(24):
+            x = torch.tanh(x @ self.weight)
+        return x
+
+
+def test_a_graph_runs_with_the_gil_released(tmp_path: Path) -> None:
+    """Another Python thread runs while a graph does (a rank's gloo thread must, to finish collectives)."""
+    model = SlowStep().eval()
+    x = torch.randn(768, 768)
+    constants = compile_method(model, "step", (x,), tmp_path / "slow.pt2")
+    graph = CompiledGraph(tmp_path / "slow.pt2", constants)
+    torch.testing.assert_close(graph(x), model.step(x))
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        graph(x)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        ticker.join()
+    during = [t for t in ticks if start < t < end]
+    assert end - start > 0.05 and len(during) >= 5, (end - start, len(during))

@@ -75,7 +75,7 @@ def test_neuron_config_validation() -> None:
         Qwen36NeuronConfig(dtype="int8")
     with pytest.raises(ValueError, match="prefill_chunk_size"):
         Qwen36NeuronConfig(sequence_length=128, prefill_chunk_size=256)
-    for backend in ("cpu", "neuron"):  # refused when the config is built, not at export
+    for backend in ("cuda", "neuron"):  # refused when the config is built, not at export
         with pytest.raises(ValueError, match="does not compile sharded graphs"):
             Qwen36NeuronConfig(tp_degree=2, backend=backend)
     with pytest.raises(ValueError, match="Unknown backend"):

@@ -14,6 +14,8 @@ it back" on every call. `compile_method` checks this and refuses such graphs (se
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import inspect
 import logging
 import operator
@@ -223,16 +225,54 @@ def _unwrapped(name: str) -> str:
     return name.removeprefix(_WRAPPED)
 
 
+GRAPH_RUNNER_SOURCE = Path(__file__).parent / "csrc" / "graph_runner.cpp"
+
+
+@functools.cache
+def graph_runner_module() -> Any:
+    """The extension whose `GraphRunner` runs a package with the GIL released (built on first use, cached
+    like torch's C++ extensions); None, with a warning, where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(torch.__version__.encode() + GRAPH_RUNNER_SOURCE.read_bytes()).hexdigest()[:12]
+    try:
+        return load(
+            name=f"optimum_qwen36_graph_runner_{digest}",
+            sources=[str(GRAPH_RUNNER_SOURCE)],
+            extra_cflags=["-O2"],
+            is_python_module=True,
+            verbose=False,
+        )
+    except Exception as error:  # no compiler or headers: torch's loader, which holds the GIL
+        logger.warning(
+            "The graph runner could not be built (%s: %s); compiled graphs run through torch's loader, which "
+            "holds the GIL while a graph runs (other Python threads wait for it).",
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        return None
+
+
+def graph_runner_releases_gil() -> bool:
+    """Whether compiled graphs run with the GIL released here (tensor parallelism needs it: a rank's gloo
+    thread takes the GIL to drop a finished collective's tensors while a graph waits on the next one)."""
+    return graph_runner_module() is not None
+
+
 class CompiledGraph:
-    """A loaded `.pt2` with its weights bound; call it with the flat tensor arguments of the method."""
+    """A loaded `.pt2` with its weights bound; call it with the flat tensor arguments of the method. It runs
+    with the GIL released where the graph runner extension builds (`graph_runner_module`)."""
 
     def __init__(
         self, package_path: str | os.PathLike, constants: Mapping[str, torch.Tensor], device: str = "cpu"
     ) -> None:
         device_index = torch.device(device).index
-        runner = torch._inductor.aoti_load_package(
-            str(package_path), device_index=-1 if device_index is None else device_index
-        )
+        device_index = -1 if device_index is None else device_index
+        module = graph_runner_module()
+        if module is not None:
+            runner = module.GraphRunner(str(package_path), device_index=device_index)
+        else:
+            runner = torch._inductor.aoti_load_package(str(package_path), device_index=device_index).loader
         # Constants are named as in the wrapper the graph was exported from ("model.<name>").
         needed = runner.get_constant_fqns()
         missing = sorted(_unwrapped(n) for n in needed if _unwrapped(n) not in constants)
@@ -245,15 +285,17 @@ class CompiledGraph:
             )
         bound = {name: constants[_unwrapped(name)] for name in needed}
         # user_managed: the runner keeps pointers to our tensors (no copy); we keep them alive in self.
-        runner.load_constants(bound, check_full_update=True, user_managed=True)
+        if module is not None:
+            runner.load_constants(bound, check_full_update=True, user_managed=True)
+        else:
+            runner.load_constants(bound, False, True, True)  # use_inactive, check_full_update, user_managed
         self._constants = bound
+        # run() directly: no pytree flatten/unflatten as in torch's runner.__call__ (~0.2 ms per call).
         self._runner = runner
-        # The C++ loader's run() skips the pytree flatten/unflatten of runner.__call__ (~0.2 ms per call).
-        self._run = runner.loader.run
         self.package_path = str(package_path)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        outputs = self._run(list(args))
+        outputs = self._runner.run(list(args))
         return outputs[0] if len(outputs) == 1 else outputs
 
     @property

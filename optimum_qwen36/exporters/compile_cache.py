@@ -135,7 +135,7 @@ class CompileCache:
             with open(staging / ENTRY_NAME, "w") as f:
                 json.dump(info, f, indent=2, sort_keys=True, default=str)
             entry = self.root / key
-            if self.lookup(key) is not None:
+            if CompileCache.lookup(self, key) is not None:  # local only, never the Hub
                 # Another process (a tensor-parallel rank, say) stored it meanwhile and may be reading it.
                 shutil.rmtree(staging)
                 return entry

@@ -26,6 +26,7 @@ from ..engine import Engine
 from ..engine.prefix_run import PrefixCachedRun
 from ..engine.runner import ModelRunner
 from ..exporters import artifact
+from ..exporters.aoti import graph_runner_releases_gil
 from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
@@ -257,6 +258,13 @@ class NeuronModelForCausalLM:
         `tp_degree` > 1, this process and tp_degree - 1 workers each build one rank's shard
         (`tp_group`: the rank this call builds, given by the launcher)."""
         if neuron_config.tp_degree > 1 and tp_group is None:
+            if neuron_config.backend == "cpu" and not graph_runner_releases_gil():
+                raise RuntimeError(
+                    f"tp_degree={neuron_config.tp_degree} on the cpu backend runs its collectives inside "
+                    "compiled graphs, which needs the graph runner extension (built with the C++ compiler "
+                    "torch.utils.cpp_extension uses); it could not be built here (see the warning above). "
+                    "Install a C++ compiler, or use backend='eager' for tensor parallelism."
+                )
             options = {
                 "token": token,
                 "revision": revision,
