@@ -1,7 +1,7 @@
 """Weight-streaming rate of decode-sized linear layers: ATen's `F.linear` against `matrix_vector_linear` (the
 cpu backend's one-row form, optimum_qwen36/exporters/matvec.py), for float32 `weight_major_linear` (its form
-for more rows: weight @ x.T) and, for bf16 where it is built with AVX-512 BF16, the native kernel
-`optimum_qwen36::bf16_linear` (what every bf16 decode graph runs), each compiled by Inductor.
+for more rows: weight @ x.T) and, for bf16 where it has a vector path (AVX-512 BF16, or AVX2 + FMA), the
+native kernel `optimum_qwen36::bf16_linear` (what every bf16 decode graph runs), each compiled by Inductor.
 
 Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
 128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 663 MB in bf16, far more than the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from timing import alternate, command_line, fmt, machine, paired_ratios, rates, wall
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_linear
-from optimum_qwen36.ops.native import avx512_kernels_built
+from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
@@ -59,7 +59,7 @@ def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dic
     ways = [("F.linear", F.linear), ("matrix_vector_linear", one_row_linear)]
     if weights[0].dtype == torch.float32:
         ways.append(("weight_major_linear", weight_major))
-    if weights[0].dtype == torch.bfloat16 and avx512_kernels_built():
+    if weights[0].dtype == torch.bfloat16 and bf16_linear_vectorized():
         ways.append(("bf16_linear", native_linear))
     measures = {}
     # Each way compiles the same function anew: without a reset, dynamo's recompile limit would make the

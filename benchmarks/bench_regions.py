@@ -29,9 +29,9 @@ from timing import alternate, fmt, machine, paired_ratios, spread, wall
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import CompiledGraph, compile_method
-from optimum_qwen36.exporters.backends import decode_linears_mode, graphs_to_compile, model_tensors
+from optimum_qwen36.exporters.backends import graphs_to_compile, linears_mode, model_tensors
 from optimum_qwen36.exporters.base import blocks_in_use, example_step_args
-from optimum_qwen36.ops.native import avx512_kernels_built
+from optimum_qwen36.ops.native import bf16_linear_vectorized, bf16_matmul_instructions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHOD = {"prefill_chunk": "prefill_chunk", "decode_row": "decode_step", "decode_step": "decode_step"}
@@ -115,7 +115,7 @@ def main() -> None:
             examples[step],
             path,
             dynamic_shapes=whole_dynamic_shapes(step, examples[step]),
-            tracing_mode=decode_linears_mode(step, avx512_kernels_built()),
+            tracing_mode=linears_mode(step, bf16_linear_vectorized(), bf16_matmul_instructions()),
         )
         whole_compile_s[step] = time.perf_counter() - start
         whole[step] = CompiledGraph(path, {**tensors, **constants})

@@ -32,7 +32,7 @@ from pattern_model import (
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import ENTRY_NAME
-from optimum_qwen36.ops.native import avx512_kernels_built
+from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 # Max |logit difference| allowed against each reference: the largest of the two graphs' values measured on
 # this machine (eager 0.09, transformers bf16 0.16, fp32 0.15: benchmarks/bf16_accuracy.py records them),
@@ -45,7 +45,7 @@ MIN_MARGIN = 2.0  # the fp32 model's smallest top-2 gap: its greedy tokens are n
 CACHE_REPO = "me/qwen36-compile-cache"
 # How each of our runs decodes, and the graphs it must run (prefill_chunk always): the one-row step for one
 # row.
-ONE_ROW_STEP = "decode_step" if avx512_kernels_built() else "decode_row"
+ONE_ROW_STEP = "decode_step" if bf16_linear_vectorized() else "decode_row"
 OURS = {"cpu bf16, batched": ("decode_step",), "cpu bf16, one row at a time": (ONE_ROW_STEP,)}
 
 

@@ -14,14 +14,19 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
 from optimum_qwen36.exporters.backends import (
     AOTIBackend,
-    decode_linears_mode,
     graphs_to_compile,
+    linears_mode,
     one_row_decode_step,
 )
 from optimum_qwen36.exporters.base import example_step_args
-from optimum_qwen36.exporters.matvec import DecodeLinears, matrix_vector_linear, weight_major_linear
+from optimum_qwen36.exporters.matvec import (
+    DecodeLinears,
+    matrix_vector_linear,
+    weight_major_linear,
+    widened_linear,
+)
 from optimum_qwen36.neuron_config import Qwen36NeuronConfig
-from optimum_qwen36.ops.native import avx512_kernels_built, load_native_ops
+from optimum_qwen36.ops.native import bf16_linear_vectorized, load_native_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,18 +100,20 @@ def test_bf16_linear_of_a_non_contiguous_input() -> None:
     assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x, weight, None), expected)
 
 
-@pytest.mark.skipif(not avx512_kernels_built(), reason="no AVX-512 BF16 here: bf16 decode keeps F.linear")
+@pytest.mark.skipif(
+    not bf16_linear_vectorized(), reason="bf16_linear has no vector path here: bf16 decode keeps F.linear"
+)
 def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
-    """On a CPU with AVX-512 BF16, the batched bf16 decode step calls the kernel for every projection;
-    prefill keeps ATen's matrix product."""
+    """Where bf16_linear has a vector path, the batched bf16 decode step calls the kernel for every
+    projection; prefill keeps ATen's matrix product."""
     checkpoint, _ = tiny_checkpoint()
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, dtype="bfloat16"
     )
     args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
     step = _MethodAsForward(model.model, "decode_step")
-    mode = decode_linears_mode("decode_step", native_bf16=True)
-    assert decode_linears_mode("prefill_chunk", native_bf16=True) is None
+    mode = linears_mode("decode_step", native_bf16=True, bf16_matmul=True)
+    assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
     with torch.no_grad(), mode:
         program = torch.export.export(step, args, strict=False)
     kernel = torch.ops.optimum_qwen36.bf16_linear.default
@@ -122,8 +129,8 @@ def test_float32_batched_decode_multiplies_weight_major(tiny_checkpoint) -> None
     )
     args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
     step = _MethodAsForward(model.model, "decode_step")
-    mode = decode_linears_mode("decode_step", native_bf16=False)
-    assert decode_linears_mode("prefill_chunk", native_bf16=False) is None
+    mode = linears_mode("decode_step", native_bf16=False, bf16_matmul=True)
+    assert linears_mode("prefill_chunk", native_bf16=False, bf16_matmul=True) is None
     with torch.no_grad(), mode:
         program = torch.export.export(step, args, strict=False)
     matrix_products = sum(node.target is torch.ops.aten.mm.default for node in program.graph.nodes)
@@ -153,6 +160,34 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     assert _linear_calls(rows) == 0
 
 
+def test_bf16_prefill_without_bf16_matmul_multiplies_in_float32(tiny_checkpoint) -> None:
+    """On a CPU without bf16 matrix instructions, prefill's bf16 linears are traced as float32 products of
+    the widened values (ATen's bf16 product is several times slower there); with them, as they are."""
+    checkpoint, _ = tiny_checkpoint()
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="eager", sequence_length=64, prefill_chunk_size=16, dtype="bfloat16"
+    )
+    args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
+    step = _MethodAsForward(model.model, "prefill_chunk")
+    assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
+    with torch.no_grad(), linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=False):
+        program = torch.export.export(step, args, strict=False)
+    linears = [node for node in program.graph.nodes if node.target is torch.ops.aten.linear.default]
+    assert len(linears) > 4 * model.config.num_hidden_layers
+    assert all(node.args[1].meta["val"].dtype == torch.float32 for node in linears)
+
+
+def test_widened_linear_is_the_float32_product_rounded_once() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 300, generator=generator).bfloat16()
+    weight = torch.randn(70, 300, generator=generator).bfloat16()
+    bias = torch.randn(70, generator=generator).bfloat16()
+    got = widened_linear(x, weight, bias)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * exact.abs().max()).all()
+
+
 @pytest.mark.parametrize("one_row_step", ["decode_row", "decode_step"])
 def test_one_row_runs_the_one_row_step_and_more_rows_decode_step(
     monkeypatch: pytest.MonkeyPatch, one_row_step: str
@@ -180,7 +215,7 @@ def test_decode_step_decodes_one_row_where_it_traces_decode_rows_ops(dtype: str,
     """decode_row's graphs are compiled only where they would differ from decode_step's: one-row
     matrix-vector sums (float32, or no native bf16 kernel), or a batch of one (no decode_step at all)."""
     config = Qwen36NeuronConfig(backend="cpu", batch_size=batch_size, sequence_length=512, dtype=dtype)
-    shared = avx512_kernels_built() and dtype == "bfloat16" and batch_size > 1
+    shared = bf16_linear_vectorized() and dtype == "bfloat16" and batch_size > 1
     assert one_row_decode_step(config) == ("decode_step" if shared else "decode_row")
     assert ("decode_row" in graphs_to_compile(config)) != shared
 

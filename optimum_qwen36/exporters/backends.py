@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
@@ -34,11 +35,16 @@ from ..ops.gdn import (
     gdn_prefill_chunk_torch,
     native_chunk_supported,
 )
-from ..ops.native import avx512_kernels_built, load_native_ops
+from ..ops.native import (
+    avx512_kernels_built,
+    bf16_linear_vectorized,
+    bf16_matmul_instructions,
+    load_native_ops,
+)
 from .aoti import CompiledGraph
 from .base import EagerBackend, StepBackend, blocks_in_use, example_step_args, rows_blocks_in_use
 from .compile_cache import CompileCache, compile_key
-from .matvec import DecodeLinears
+from .matvec import DecodeLinears, WidenedLinears
 from .regions import StepShapes, compile_regions, load_step, step_files
 
 logger = logging.getLogger(__name__)
@@ -46,7 +52,8 @@ logger = logging.getLogger(__name__)
 COMPILED_DIR = "compiled"
 # The steps of the cpu/cuda backend. A one-row decode step has its own graphs. On cpu the linear layers of
 # every step but prefill are traced as matvec.DecodeLinears says: the native bf16 kernel, or, on one row, a
-# matrix-vector product; both stream the weights faster than ATen's matrix-matrix kernels.
+# matrix-vector product; both stream the weights faster than ATen's matrix-matrix kernels (prefill's:
+# `linears_mode`).
 STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_row", "verify_step", "mtp_row", "mtp_step")
 # With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps, for one
 # row and (with a batch above 1) for 2..batch rows.
@@ -70,7 +77,7 @@ def one_row_decode_step(neuron_config: Qwen36NeuronConfig) -> str:
         neuron_config.backend == "cpu"
         and neuron_config.batch_size > 1
         and neuron_config.dtype == "bfloat16"
-        and avx512_kernels_built()
+        and bf16_linear_vectorized()
     ):
         return "decode_step"
     return "decode_row"
@@ -261,13 +268,15 @@ def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> boo
     )
 
 
-def decode_linears_mode(step: str, native_bf16: bool) -> DecodeLinears | None:
-    """How `step`'s linear layers are traced on cpu: every step but prefill_chunk as matvec.DecodeLinears
-    says (the native bf16 kernel for bf16 weights when `native_bf16`, float32 weights as weight @ x.T);
-    decode_row (the one graph whose shapes are all static: the other one-row graphs take a dynamic number
-    of positions) writes its other linears as matrix-vector products."""
+def linears_mode(step: str, native_bf16: bool, bf16_matmul: bool) -> TorchFunctionMode | None:
+    """How `step`'s linear layers are traced on cpu: prefill_chunk's bf16 ones as float32 products of the
+    widened values where the CPU has no bf16 matrix instructions (`bf16_matmul` False: matvec.WidenedLinears),
+    else as they are; every other step as matvec.DecodeLinears says (the native bf16 kernel for bf16 weights
+    when `native_bf16`, float32 weights as weight @ x.T); decode_row (the one graph whose shapes are all
+    static: the other one-row graphs take a dynamic number of positions) writes its other linears as
+    matrix-vector products."""
     if step == "prefill_chunk":
-        return None
+        return None if bf16_matmul else WidenedLinears()
     return DecodeLinears(native_bf16, static_rows=step == "decode_row")
 
 
@@ -281,19 +290,20 @@ def _compile_graphs(
     """Compile the regions of each step (name -> example arguments) into out_dir, taking `shapes`.
     With cpu_kernels, where the native ops build: attention calls `optimum_qwen36::paged_attention`, GDN
     layers `optimum_qwen36::gdn_decode_step` / `gdn_prefill_chunk`, and the linear layers of every step but
-    prefill_chunk are traced as matvec.DecodeLinears says."""
+    prefill_chunk are traced as matvec.DecodeLinears says (prefill_chunk's as `linears_mode` says)."""
     total = time.perf_counter()
-    native_bf16 = cpu_kernels and avx512_kernels_built()
+    native_bf16 = cpu_kernels and bf16_linear_vectorized()
+    bf16_matmul = bf16_matmul_instructions()
     if cpu_kernels and load_native_ops():
-        # The chunked delta rule's scalar build (no AVX-512) is slower than the compiled PyTorch twin.
-        chunk_step = gdn_prefill_chunk_native if native_bf16 else gdn_prefill_chunk_torch
+        # The chunked delta rule's builds without AVX-512 are slower than the compiled PyTorch twin.
+        chunk_step = gdn_prefill_chunk_native if avx512_kernels_built() else gdn_prefill_chunk_torch
         model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step)
     try:
         extra = compile_regions(
             model,
             graphs,
             out_dir,
-            lambda step: decode_linears_mode(step, native_bf16) if cpu_kernels else None,
+            lambda step: linears_mode(step, native_bf16, bf16_matmul) if cpu_kernels else None,
             shapes,
         )
     finally:

@@ -1,9 +1,9 @@
-"""How the linear layers of the decode graphs are traced on CPU, where a decode step is bound by reading
-the weights.
+"""How the linear layers of the step graphs are traced on CPU. A decode step is bound by reading the
+weights:
 
-bfloat16 weights, where the native kernel is built with AVX-512 BF16: `optimum_qwen36::bf16_linear` (any
-row count; it streams each weight once for up to 16 rows and hands more to ATen), which reads the weights
-faster than ATen's bf16 `F.linear` from one to eight rows (benchmarks/bench_matvec.py, docs/EXPORT.md 1c).
+bfloat16 weights, where the native kernel has a vector path: `optimum_qwen36::bf16_linear` (any row count;
+it streams each weight once for up to 16 rows and hands more to ATen), which reads the weights faster than
+ATen's bf16 `F.linear` from one to eight rows (benchmarks/bench_matvec.py, docs/EXPORT.md 1c).
 
 Otherwise, on one row of a graph with static shapes (float32 weights, or bf16 where the kernel is not
 built), a multiply-and-sum over the weight's rows (float32 accumulation), which Inductor compiles to one
@@ -11,6 +11,11 @@ vectorised pass over the weight. float32 weights on more rows (or a dynamic row 
 weight @ x.T: MKL's sgemm (torch's CPU BLAS) reads the weight once per x row in F.linear's orientation
 (x @ weight.T) on AMD CPUs, and once for a few rows in this one (bench_matvec.py --dtype float32). Other
 cases keep `F.linear`.
+
+Prefill is bound by the matrix products' arithmetic: on a CPU without bf16 matrix instructions (AVX-512
+BF16, AMX), ATen's bf16 product runs several times slower than its float32 one, so bf16 linears are traced
+as the float32 product of the widened values, rounded once to bf16 (`WidenedLinears`): the accumulation
+is float32 either way.
 """
 
 from __future__ import annotations
@@ -63,4 +68,24 @@ class DecodeLinears(TorchFunctionMode):
             return matrix_vector_linear(x, weight, bias)
         if x.dtype == weight.dtype == torch.float32 and weight.dim() == 2:
             return weight_major_linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear as the float32 product of the widened values (exact: a bf16 is a float32's top half),
+    rounded once to x's dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+class WidenedLinears(TorchFunctionMode):
+    """Within this mode, `F.linear` on bfloat16 x and weight is traced as `widened_linear`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight, *rest = args
+        if x.dtype == weight.dtype == torch.bfloat16:
+            return widened_linear(x, weight, rest[0] if rest else kwargs.get("bias"))
         return func(*args, **kwargs)

@@ -31,6 +31,7 @@ from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
+from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
 from ..parallel.group import TensorParallelGroup, launch
 from ..parallel.replicated import Driver, Replicas, ReplicatedEngine, Worker, serve_driver, tensor_digest
 from ..prefix_caching import PrefixCache, build_prefix_cache
@@ -66,10 +67,6 @@ from .weights import (
 )
 
 logger = logging.getLogger(__name__)
-
-# CPU extensions with bf16 matrix instructions; without one, ATen's bf16 matrix products fall back to a path
-# far slower than float32 (benchmarks/bench_matvec.py and bench_generate.py record the CPU's extensions).
-BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 
 # The output field holding the cache: `cache` in recent transformers (which still reads `past_key_values`).
 OUTPUT_CACHE_FIELD = (
@@ -835,12 +832,14 @@ def generated_digest(output: torch.Tensor | GenerateDecoderOnlyOutput) -> str:
 
 
 def _warn_if_bf16_is_slow_here(neuron_config: Qwen36NeuronConfig) -> None:
-    flags = artifact.cpu_flags()
-    on_cpu = neuron_config.backend in ("cpu", "eager")  # the eager backend runs the model on the CPU
-    if neuron_config.dtype == "bfloat16" and on_cpu and flags and not flags & set(BF16_MATMUL_FLAGS):
+    """The eager backend runs ATen's bf16 matrix products as they are (the cpu backend widens prefill's to
+    float32 and streams decode's through the native kernel there)."""
+    eager = neuron_config.backend == "eager"
+    if neuron_config.dtype == "bfloat16" and eager and not bf16_matmul_instructions():
         logger.warning(
-            "This CPU has none of %s: bfloat16 matrix products run far slower here than float32. Export with "
-            "dtype='float32' (--dtype float32) unless memory requires bfloat16.",
+            "This CPU has none of %s: on the eager backend, bfloat16 matrix products run far slower here "
+            "than float32. Use backend='cpu', or dtype='float32' (--dtype float32) unless memory requires "
+            "bfloat16.",
             ", ".join(BF16_MATMUL_FLAGS),
         )
 

@@ -28,6 +28,8 @@ FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_mat
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}
+# What ATen's bf16 matrix product (oneDNN) needs to run near its float32 speed.
+BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_flags() -> set[str]:
@@ -55,10 +57,25 @@ def build_flags() -> list[str]:
 
 
 def avx512_kernels_built() -> bool:
-    """Whether the extension is built with its AVX-512 (BF16) paths here: `optimum_qwen36::bf16_linear`'s
-    and `gdn_prefill_chunk`'s scalar fallbacks are slower than ATen's matrix product and the compiled
-    PyTorch twin, so callers then keep those."""
+    """Whether the extension is built with its AVX-512 (BF16) paths here: `gdn_prefill_chunk`'s other
+    builds are slower than the compiled PyTorch twin, so callers then keep that."""
     return BF16_FLAGS["avx512_bf16"] in build_flags() and load_native_ops()
+
+
+def bf16_matmul_instructions() -> bool:
+    """Whether this CPU has bf16 matrix instructions for ATen's bf16 matrix product (True where
+    /proc/cpuinfo cannot be read: nothing is known to be slow then)."""
+    flags = cpu_flags()
+    return not flags or bool(flags & set(BF16_MATMUL_FLAGS))
+
+
+def bf16_linear_vectorized() -> bool:
+    """Whether `optimum_qwen36::bf16_linear` is built with a vector path here (AVX-512 BF16 dot products,
+    or AVX2 + FMA on widened values): then it streams a bf16 weight faster than ATen's F.linear for up to
+    16 rows (benchmarks/bench_matvec.py); its scalar fallback does not, and callers keep F.linear."""
+    flags = build_flags()
+    vector = BF16_FLAGS["avx512_bf16"] in flags or {VECTOR_FLAGS["avx2"], VECTOR_FLAGS["fma"]} <= set(flags)
+    return vector and load_native_ops()
 
 
 def layer_index(cache_idx: int | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,8 +6,10 @@
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in one
 // sequential stream per thread, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher
 // falls behind as soon as more than one x row is multiplied). More rows (prefill) go to ATen's matrix
-// product. Without AVX-512 BF16 the same loop runs in scalar float32 (the same values up to summation
-// order).
+// product. With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight
+// slice is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the
+// weight is still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in
+// scalar float32 (the same values up to summation order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -20,6 +22,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QWEN36_BF16_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "vec_math.h"
+#define QWEN36_BF16_AVX2 1
 #endif
 
 namespace {
@@ -30,11 +35,24 @@ constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weig
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
 
 using bf16 = c10::BFloat16;
+#ifdef QWEN36_BF16_AVX2
+using XValue = float;  // x as the FMAs take it, widened once per call
+#else
+using XValue = bf16;
+#endif
+
+#ifdef QWEN36_BF16_AVX2
+// 8 bfloat16 -> 8 float32, exactly: a bf16 is the high 16 bits of a float32.
+inline __m256 widen_bf16x8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
 
 // out[g * out_stride] = dot(w, x[g]) for one weight row w and G x rows (stride K). Two accumulators per x
-// row (even and odd 32-value slices): a dot product's latency, not the loads, would bound a single chain.
+// row (even and odd slices): a dot product's latency, not the loads, would bound a single chain.
 template <int G>
-inline void dot_row(const bf16* w, const bf16* x, int64_t K, float* out, int64_t out_stride) {
+inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64_t out_stride) {
   float sums[G] = {};
   int64_t k = 0;
 #ifdef QWEN36_BF16_AVX512
@@ -57,6 +75,18 @@ inline void dot_row(const bf16* w, const bf16* x, int64_t K, float* out, int64_t
       even[g] = _mm512_dpbf16_ps(even[g], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + g * K + k));
   }
   for (int g = 0; g < G; ++g) sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(even[g], odd[g]));
+#elif defined(QWEN36_BF16_AVX2)
+  __m256 even[G], odd[G];
+  for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm256_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256 w0 = widen_bf16x8(w + k), w1 = widen_bf16x8(w + k + 8);
+    for (int g = 0; g < G; ++g) {
+      even[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * K + k), even[g]);
+      odd[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * K + k + 8), odd[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) sums[g] = optimum_qwen36::horizontal_sum(_mm256_add_ps(even[g], odd[g]));
 #endif
   for (; k < K; ++k)
     for (int g = 0; g < G; ++g) sums[g] += float(w[k]) * float(x[g * K + k]);
@@ -64,7 +94,7 @@ inline void dot_row(const bf16* w, const bf16* x, int64_t K, float* out, int64_t
 }
 
 template <int G>
-void dot_row_rows(const bf16* w, const bf16* x, int64_t K, int rows, float* out, int64_t out_stride) {
+void dot_row_rows(const bf16* w, const XValue* x, int64_t K, int rows, float* out, int64_t out_stride) {
   if constexpr (G > 1) {
     if (rows < G) return dot_row_rows<G - 1>(w, x, K, rows, out, out_stride);
   }
@@ -72,7 +102,7 @@ void dot_row_rows(const bf16* w, const bf16* x, int64_t K, int rows, float* out,
 }
 
 // y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows.
-void stream_rows(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+void stream_rows(const XValue* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
   at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       // The weight row stays in L1 for the later groups of x rows.
@@ -92,11 +122,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   if (N > kStreamRows) return at::linear(x, weight, bias);
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
+#ifdef QWEN36_BF16_AVX2
+  const at::Tensor xc = x.reshape({N, K}).to(at::kFloat).contiguous();
+#else
   const at::Tensor xc = x.reshape({N, K}).contiguous();
+#endif
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({N, M}, x.options().dtype(at::kFloat));
-  stream_rows(reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), N, M, K,
-              y.data_ptr<float>());
+  stream_rows(reinterpret_cast<const XValue*>(xc.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), N, M,
+              K, y.data_ptr<float>());
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y.to(at::kBFloat16).reshape(out_shape);
 }

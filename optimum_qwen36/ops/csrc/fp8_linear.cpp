@@ -22,6 +22,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+
+#include "vec_math.h"
 #define QWEN36_FP8_AVX2 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -52,11 +54,7 @@ inline void e4m3x16_to_float(const uint8_t* p, __m256& low, __m256& high) {
 
 constexpr float kF16Unscale = 256.0f;  // e4m3x16_to_float's 2^-8
 
-inline float horizontal_sum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using optimum_qwen36::horizontal_sum;
 #endif
 
 // out[g][m] for G rows of x (row stride K): one pass over weight row m, block by block.

@@ -1,5 +1,20 @@
-// AVX-512 float32 math shared by the native kernels.
+// Float32 vector math shared by the native kernels.
 #pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace optimum_qwen36 {
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+}  // namespace optimum_qwen36
+
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
