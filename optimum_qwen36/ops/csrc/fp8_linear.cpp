@@ -373,9 +373,16 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
     return y.to(x.scalar_type()).reshape(out_shape);
   }
   // Tiles start on a block-row boundary, so each tile's scales are whole rows of scale_inv. bf16 activations
-  // multiply bf16 tiles (ATen's bf16 kernels: AMX / avx512_bf16 where present), float32 ones float32 tiles.
+  // multiply bf16 tiles where the CPU has bf16 dot products (ATen's bf16 kernels use them, or AMX); without
+  // them ATen's bf16 product runs several times slower than its float32 one, so they multiply float32 tiles
+  // of the exact dequantized values, rounded once at the end as the streaming path does.
+#ifdef __AVX512BF16__
+  const bool bf16_tiles = bf16_x;
+#else
+  const bool bf16_tiles = false;
+#endif
   const int64_t tile = std::max<int64_t>(block_rows, kTileRows / block_rows * block_rows);
-  const at::Tensor xm = x.reshape({N, K}).to(bf16_x ? at::kBFloat16 : at::kFloat).contiguous();
+  const at::Tensor xm = x.reshape({N, K}).to(bf16_tiles ? at::kBFloat16 : at::kFloat).contiguous();
   at::Tensor dequantized = at::empty({std::min(tile, M), K}, xm.options());
   at::Tensor y = at::empty({N, M}, xm.options());
   for (int64_t m0 = 0; m0 < M; m0 += tile) {
