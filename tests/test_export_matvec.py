@@ -72,10 +72,11 @@ needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
-@pytest.mark.parametrize("features", [(70, 300), (33, 1024)])
+@pytest.mark.parametrize("features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17)])
 def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
     """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows) and
-    feature counts that are and are not a multiple of the 32-value vectors: float32 accumulation rounded
+    feature counts below, at and past one vector (16 values with AVX2, 32 with AVX-512) and not multiples of
+    it: float32 accumulation rounded
     once to bf16, so within one bf16 rounding of the float64 product of the same bf16 values."""
     out_features, in_features = features
     generator = torch.Generator().manual_seed(rows)
@@ -105,7 +106,7 @@ def test_bf16_linear_of_a_non_contiguous_input() -> None:
 )
 def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     """Where bf16_linear has a vector path, the batched bf16 decode step calls the kernel for every
-    projection; prefill keeps ATen's matrix product."""
+    projection (prefill's linears: test_bf16_prefill_without_bf16_matmul_multiplies_in_float32)."""
     checkpoint, _ = tiny_checkpoint()
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, dtype="bfloat16"

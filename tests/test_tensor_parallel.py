@@ -223,6 +223,19 @@ def test_speculative_decoding_matches_one_process(checkpoint: Path) -> None:
     assert outputs[0] == outputs[1]
 
 
+def test_cpu_tensor_parallelism_needs_the_graph_runner(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the runner that releases the GIL, a rank's graphs could deadlock on their collectives."""
+    from optimum_qwen36.exporters import aoti
+
+    monkeypatch.setattr(aoti, "graph_runner_module", lambda: None)
+    with pytest.raises(RuntimeError, match="needs the graph runner extension"):
+        NeuronQwen36ForCausalLM.from_pretrained(
+            checkpoint, export=True, backend="cpu", tp_degree=2, **SETTINGS
+        )
+
+
 def test_killed_worker_ends_the_model_with_a_clear_error(checkpoint: Path) -> None:
     model = export_eager(checkpoint, tp_degree=2, **SETTINGS)
     worker = model.tensor_parallel.group.workers[0]

@@ -5,8 +5,8 @@ bfloat16 weights, where the native kernel has a vector path: `optimum_qwen36::bf
 it streams each weight once for up to 16 rows and hands more to ATen), which reads the weights faster than
 ATen's bf16 `F.linear` from one to eight rows (benchmarks/bench_matvec.py, docs/EXPORT.md 1c).
 
-Otherwise, on one row of a graph with static shapes (float32 weights, or bf16 where the kernel is not
-built), a multiply-and-sum over the weight's rows (float32 accumulation), which Inductor compiles to one
+Otherwise, on one row of a graph with static shapes (float32 weights, or bf16 where the kernel has no
+vector path), a multiply-and-sum over the weight's rows (float32 accumulation), which Inductor compiles to one
 vectorised pass over the weight. float32 weights on more rows (or a dynamic row count) are multiplied as
 weight @ x.T: MKL's sgemm (torch's CPU BLAS) reads the weight once per x row in F.linear's orientation
 (x @ weight.T) on AMD CPUs, and once for a few rows in this one (bench_matvec.py --dtype float32). Other

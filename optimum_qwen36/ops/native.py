@@ -23,8 +23,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h")))
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
-# code: AVX2 + FMA + F16C (fp8_linear's float32 path), AVX-512 with BF16 dot products (bf16_linear, attention,
-# GDN), plus VBMI's byte tables (fp8_linear's bf16 decode path).
+# code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's AVX2 path), AVX-512 with BF16 dot
+# products (bf16_linear, attention, GDN), plus VBMI's byte tables (fp8_linear's bf16 decode path).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}

@@ -26,7 +26,8 @@ void load_constants(
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<AOTIModelPackageLoader>(m, "GraphRunner")
+  // module_local: torch registers its own (derived) loader class; ours never collides with it.
+  py::class_<AOTIModelPackageLoader>(m, "GraphRunner", py::module_local())
       .def(
           py::init<const std::string&, const std::string&, bool, size_t, c10::DeviceIndex>(),
           py::arg("package_path"),

@@ -6,7 +6,7 @@
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in one
 // sequential stream per thread, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher
 // falls behind as soon as more than one x row is multiplied). More rows (prefill) go to ATen's matrix
-// product. With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight
+// product (in float32 on the widened values where there are no bf16 dot products for it). With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight
 // slice is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the
 // weight is still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in
 // scalar float32 (the same values up to summation order).
@@ -119,7 +119,16 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const int64_t M = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(-1) == K, "bf16_linear: x has ", x.size(-1), " features, the weight ", K);
   const int64_t N = x.numel() / K;
-  if (N > kStreamRows) return at::linear(x, weight, bias);
+  if (N > kStreamRows) {
+#ifdef QWEN36_BF16_AVX2
+    // No bf16 dot products for ATen's bf16 product to use: the float32 product of the widened values.
+    const auto wide_bias = bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->to(at::kFloat))
+                                                               : std::nullopt;
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), wide_bias).to(at::kBFloat16);
+#else
+    return at::linear(x, weight, bias);
+#endif
+  }
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
 #ifdef QWEN36_BF16_AVX2
