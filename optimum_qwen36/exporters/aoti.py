@@ -285,10 +285,7 @@ class CompiledGraph:
             )
         bound = {name: constants[_unwrapped(name)] for name in needed}
         # user_managed: the runner keeps pointers to our tensors (no copy); we keep them alive in self.
-        if module is not None:
-            runner.load_constants(bound, check_full_update=True, user_managed=True)
-        else:
-            runner.load_constants(bound, False, True, True)  # use_inactive, check_full_update, user_managed
+        runner.load_constants(bound, False, True, True)  # use_inactive, check_full_update, user_managed
         self._constants = bound
         # run() directly: no pytree flatten/unflatten as in torch's runner.__call__ (~0.2 ms per call).
         self._runner = runner

@@ -45,7 +45,22 @@ def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class DecodeLinears(TorchFunctionMode):
+class _LinearTracing(TorchFunctionMode):
+    """Traces `F.linear` (every `nn.Linear`) as `self.linear(x, weight, bias)` says; None keeps F.linear."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight, *rest = args
+        traced = self.linear(x, weight, rest[0] if rest else kwargs.get("bias"))
+        return func(*args, **kwargs) if traced is None else traced
+
+
+class DecodeLinears(_LinearTracing):
     """Within this mode, `F.linear` (every `nn.Linear`) is traced as `optimum_qwen36::bf16_linear` for
     bfloat16 weights when `native_bf16` (any row count); else, in a graph of static shapes (`static_rows`),
     on one row as `matrix_vector_linear`; else, for float32 weights, as `weight_major_linear`. Dynamic row
@@ -56,19 +71,14 @@ class DecodeLinears(TorchFunctionMode):
         self.native_bf16 = native_bf16
         self.static_rows = static_rows
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        x, weight, *rest = args
-        bias = rest[0] if rest else kwargs.get("bias")
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if self.native_bf16 and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2:
             return torch.ops.optimum_qwen36.bf16_linear(x, weight, bias)
         if self.static_rows and x.shape[:-1].numel() == 1:
             return matrix_vector_linear(x, weight, bias)
         if x.dtype == weight.dtype == torch.float32 and weight.dim() == 2:
             return weight_major_linear(x, weight, bias)
-        return func(*args, **kwargs)
+        return None
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,14 +88,10 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.to(x.dtype)
 
 
-class WidenedLinears(TorchFunctionMode):
+class WidenedLinears(_LinearTracing):
     """Within this mode, `F.linear` on bfloat16 x and weight is traced as `widened_linear`."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        x, weight, *rest = args
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if x.dtype == weight.dtype == torch.bfloat16:
-            return widened_linear(x, weight, rest[0] if rest else kwargs.get("bias"))
-        return func(*args, **kwargs)
+            return widened_linear(x, weight, bias)
+        return None

@@ -15,12 +15,14 @@ std::vector<at::Tensor> run_released(AOTIModelPackageLoader& loader, const std::
   return loader.run(inputs);
 }
 
+// The same positional arguments as torch's binding of the loader, so callers bind either alike.
 void load_constants(
     AOTIModelPackageLoader& loader,
     std::unordered_map<std::string, at::Tensor> constants,
+    bool use_inactive,
     bool check_full_update,
     bool user_managed) {
-  loader.load_constants(constants, /*use_inactive=*/false, check_full_update, user_managed);
+  loader.load_constants(constants, use_inactive, check_full_update, user_managed);
 }
 
 }  // namespace
@@ -36,8 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("num_runners") = 1,
           py::arg("device_index") = -1)
       .def("run", &run_released, py::arg("inputs"))
-      .def("load_constants", &load_constants, py::arg("constants"), py::arg("check_full_update"),
-           py::arg("user_managed"))
+      .def("load_constants", &load_constants)
       .def("get_constant_fqns", &AOTIModelPackageLoader::get_constant_fqns)
       .def("get_metadata", &AOTIModelPackageLoader::get_metadata);
 }

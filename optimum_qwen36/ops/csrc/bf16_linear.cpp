@@ -6,8 +6,9 @@
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in one
 // sequential stream per thread, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher
 // falls behind as soon as more than one x row is multiplied). More rows (prefill) go to ATen's matrix
-// product (in float32 on the widened values where there are no bf16 dot products for it). With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight
-// slice is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the
+// product (in float32 on the widened values where there are no bf16 dot products for it). With AVX2 and
+// FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice is widened as it
+// streams (a bf16 is the top half of a float32), then multiplied by FMAs: the
 // weight is still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in
 // scalar float32 (the same values up to summation order).
 #include <ATen/ATen.h>
@@ -131,11 +132,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
-#ifdef QWEN36_BF16_AVX2
-  const at::Tensor xc = x.reshape({N, K}).to(at::kFloat).contiguous();
-#else
-  const at::Tensor xc = x.reshape({N, K}).contiguous();
-#endif
+  const at::Tensor xc = x.reshape({N, K}).to(c10::CppTypeToScalarType<XValue>::value).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({N, M}, x.options().dtype(at::kFloat));
   stream_rows(reinterpret_cast<const XValue*>(xc.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), N, M,
