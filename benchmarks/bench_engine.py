@@ -21,9 +21,8 @@ output token after the first) p50 / p99. Methods alternate run by run (`--repeat
 run and min / median / max. Also checked: each request's tokens are the same from the engine and from
 static generate (`same_tokens`).
 
-Default model: bench_generate.py's random 0.75B model (24 layers) in float32: on a CPU without
-avx512_bf16, bf16 matrix products have no hardware support (benchmarks/bench_gemm.py); pass
-`--dtype bfloat16` where they do.
+Default model: bench_generate.py's random 0.75B model (24 layers) in bfloat16 (`--dtype float32` for the
+float32 one).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py                       # the full workload
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py --layers 4 --requests 16 \\
@@ -268,7 +267,7 @@ def main() -> None:
     )
     parser.add_argument("--model", help="a checkpoint (default: a random model of --layers layers)")
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default="cpu", choices=["eager", "cpu", "cuda"])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 2048], metavar=("MIN", "MAX"))

@@ -303,7 +303,7 @@ def main() -> None:
     )
     parser.add_argument("--model", help="a checkpoint (default: a random model of --layers layers)")
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default="cpu", choices=["eager", "cpu", "cuda"])
     parser.add_argument("--batch-size", type=int, default=8, help="our server's concurrent sequences")
     parser.add_argument("--sequence-length", type=int, default=4096)

@@ -195,3 +195,21 @@ def test_without_the_graph_runner_graphs_run_through_torchs_loader(
     expected = CompiledGraph(package, tensors)(*_args())
     monkeypatch.setattr(aoti, "graph_runner_module", lambda: None)
     torch.testing.assert_close(CompiledGraph(package, tensors)(*_args()), expected, rtol=0, atol=0)
+
+
+def test_an_extension_that_does_not_build_is_reported_with_its_fallback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What every native extension does where it cannot be built: no exception, a warning that names the
+    extension, the compiler's complaint and what runs instead."""
+    from optimum_qwen36.ops.native import build_extension
+
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++;\n")
+    with caplog.at_level("WARNING"):
+        built, module = build_extension(
+            "optimum_qwen36_broken_test", [source], [], python_module=True, fallback="the twin runs."
+        )
+    assert (built, module) == (False, None)
+    assert "optimum_qwen36_broken_test could not be built" in caplog.text
+    assert caplog.text.rstrip().endswith("the twin runs.")

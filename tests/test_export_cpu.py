@@ -455,3 +455,17 @@ def test_prefill_computes_only_the_valid_tokens(
         assert seen == {5: [5], 33: [16, 16, 2]}
     else:
         assert seen == {5: [16], 33: [16, 16, 16]}
+
+
+def test_a_saved_artifact_prefills_as_its_export_decided(
+    exported, no_compilation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the prefill graphs take any token count is recorded at export: loaded where this CPU's
+    build would decide otherwise, the artifact still runs its graphs as they were compiled."""
+    _, _, _, model, saved = exported
+    recorded = model.backend.prefill_takes_any_tokens
+    assert (saved / backends.COMPILED_DIR / backends.STEP_SHAPES).is_file()
+    monkeypatch.setattr(backends, "prefill_takes_any_tokens", lambda *args, **kwargs: not recorded)
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
+    assert loaded.backend.prefill_takes_any_tokens == recorded
+    assert torch.equal(_greedy(loaded), _greedy(model))

@@ -72,12 +72,12 @@ needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
-@pytest.mark.parametrize("features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17)])
+@pytest.mark.parametrize("features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001)])
 def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
-    """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows) and
-    feature counts below, at and past one vector (16 values with AVX2, 32 with AVX-512) and not multiples of
-    it: float32 accumulation rounded
-    once to bf16, so within one bf16 rounding of the float64 product of the same bf16 values."""
+    """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows: on AVX2
+    the weight widened in tiles of 4 MB: 1100 rows of 1001 are two tiles) and feature counts below, at and
+    past one vector (16 values with AVX2, 32 with AVX-512) and not multiples of it: float32 accumulation
+    rounded once to bf16, so within one bf16 rounding of the float64 product of the same bf16 values."""
     out_features, in_features = features
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -117,9 +117,8 @@ def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
     with torch.no_grad(), mode:
         program = torch.export.export(step, args, strict=False)
-    kernel = torch.ops.optimum_qwen36.bf16_linear.default
     assert _linear_calls(program) == 0
-    assert sum(node.target is kernel for node in program.graph.nodes) > 4 * model.config.num_hidden_layers
+    assert _native_calls(program) > 4 * model.config.num_hidden_layers
 
 
 def test_float32_batched_decode_multiplies_weight_major(tiny_checkpoint) -> None:
@@ -143,6 +142,11 @@ def _linear_calls(program: torch.export.ExportedProgram) -> int:
     return sum(node.target is torch.ops.aten.linear.default for node in program.graph.nodes)
 
 
+def _native_calls(program: torch.export.ExportedProgram) -> int:
+    kernel = torch.ops.optimum_qwen36.bf16_linear.default
+    return sum(node.target is kernel for node in program.graph.nodes)
+
+
 def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     """decode_row, traced under the mode, has no linear left; the same step traced plainly has one per
     projection. (The exported graphs themselves are compared with eager in test_export_cpu.py.)"""
@@ -163,7 +167,8 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
 
 def test_bf16_prefill_without_bf16_matmul_multiplies_in_float32(tiny_checkpoint) -> None:
     """On a CPU without bf16 matrix instructions, prefill's bf16 linears are traced as float32 products of
-    the widened values (ATen's bf16 product is several times slower there); with them, as they are."""
+    the widened values (ATen's bf16 product is several times slower there), through the native kernel where
+    it builds; with them, as they are."""
     checkpoint, _ = tiny_checkpoint()
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", sequence_length=64, prefill_chunk_size=16, dtype="bfloat16"
@@ -171,11 +176,16 @@ def test_bf16_prefill_without_bf16_matmul_multiplies_in_float32(tiny_checkpoint)
     args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
     step = _MethodAsForward(model.model, "prefill_chunk")
     assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
-    with torch.no_grad(), linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=False):
+    with torch.no_grad(), linears_mode("prefill_chunk", native_bf16=False, bf16_matmul=False):
         program = torch.export.export(step, args, strict=False)
     linears = [node for node in program.graph.nodes if node.target is torch.ops.aten.linear.default]
     assert len(linears) > 4 * model.config.num_hidden_layers
     assert all(node.args[1].meta["val"].dtype == torch.float32 for node in linears)
+    if load_native_ops():  # the native kernel takes them, widening the weights itself
+        with torch.no_grad(), linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=False):
+            program = torch.export.export(step, args, strict=False)
+        assert _linear_calls(program) == 0
+        assert _native_calls(program) > 4 * model.config.num_hidden_layers
 
 
 def test_widened_linear_is_the_float32_product_rounded_once() -> None:

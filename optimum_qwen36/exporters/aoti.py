@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..ops.native import build_extension
+
 logger = logging.getLogger(__name__)
 
 # `freezing` folds weights into derived
@@ -232,25 +234,16 @@ GRAPH_RUNNER_SOURCE = Path(__file__).parent / "csrc" / "graph_runner.cpp"
 def graph_runner_module() -> Any:
     """The extension whose `GraphRunner` runs a package with the GIL released (built on first use, cached
     like torch's C++ extensions); None, with a warning, where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
     digest = hashlib.sha256(torch.__version__.encode() + GRAPH_RUNNER_SOURCE.read_bytes()).hexdigest()[:12]
-    try:
-        return load(
-            name=f"optimum_qwen36_graph_runner_{digest}",
-            sources=[str(GRAPH_RUNNER_SOURCE)],
-            extra_cflags=["-O2"],
-            is_python_module=True,
-            verbose=False,
-        )
-    except Exception as error:  # no compiler or headers: torch's loader, which holds the GIL
-        logger.warning(
-            "The graph runner could not be built (%s: %s); compiled graphs run through torch's loader, which "
-            "holds the GIL while a graph runs (other Python threads wait for it).",
-            type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
-        )
-        return None
+    _, module = build_extension(
+        f"optimum_qwen36_graph_runner_{digest}",
+        [GRAPH_RUNNER_SOURCE],
+        ["-O2"],
+        python_module=True,
+        fallback="compiled graphs run through torch's loader, which holds the GIL while a graph runs (other "
+        "Python threads wait for it).",
+    )
+    return module
 
 
 def graph_runner_releases_gil() -> bool:

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import shutil
 import tempfile
@@ -36,9 +38,9 @@ from ..ops.gdn import (
     native_chunk_supported,
 )
 from ..ops.native import (
-    avx512_kernels_built,
     bf16_linear_vectorized,
     bf16_matmul_instructions,
+    gdn_prefill_vectorized,
     load_native_ops,
 )
 from .aoti import CompiledGraph
@@ -61,6 +63,8 @@ SPECULATIVE_ROW_STEPS = ("verify_row", "mtp_row")
 SPECULATIVE_BATCHED_STEPS = ("verify_step", "mtp_step")
 # Tensors the graphs need that are not parameters or buffers of the model (lifted constants), if any.
 EXTRA_CONSTANTS = "constants.safetensors"
+# The StepShapes the graphs were compiled with (what they take is decided once, on the exporting machine).
+STEP_SHAPES = "step_shapes.json"
 
 
 # Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device.
@@ -149,7 +153,11 @@ class AOTIBackend:
             return CompiledGraph(files_dir / file, own, device)
 
         self.graphs = {step: load_step(model, step, load, device, self.one_row_step) for step in present}
-        self.prefill_takes_any_tokens = prefill_takes_any_tokens(model, cpu_kernels=self.name == "cpu")
+        shapes_file = files_dir / STEP_SHAPES
+        if shapes_file.is_file():
+            self.prefill_takes_any_tokens = bool(json.loads(shapes_file.read_text())["any_prefill_tokens"])
+        else:  # exported before the shapes were recorded: decided as that export did
+            self.prefill_takes_any_tokens = prefill_takes_any_tokens(model, cpu_kernels=self.name == "cpu")
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         used = blocks_in_use(method, args, cut_tokens=self.prefill_takes_any_tokens)
@@ -204,7 +212,7 @@ class AOTIBackend:
             return
         target.mkdir(parents=True, exist_ok=True)
         for path in self.files_dir.iterdir():
-            if path.suffix in (".pt2", ".safetensors"):
+            if path.suffix in (".pt2", ".safetensors", ".json"):
                 shutil.copyfile(path, target / path.name)
 
     @classmethod
@@ -256,27 +264,27 @@ class AOTIBackend:
 
 def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> bool:
     """Whether the prefill graphs take 2..chunk tokens (the chunk's valid ones) rather than a whole chunk:
-    where the GDN layers' chunked delta rule is the native op (cpu, AVX-512 build, head sizes it takes).
+    where the GDN layers' chunked delta rule is the native op (cpu, its vector build, head sizes it takes).
     The PyTorch form (cuda, other CPUs) walks 64-token blocks in Python, so its export would specialise
     the token count. Export and load decide alike (same model, backend and instruction set: an artifact's
     ISA is checked at load)."""
     config = model.config
     return (
         cpu_kernels
-        and avx512_kernels_built()
+        and gdn_prefill_vectorized()
         and native_chunk_supported(config.linear_key_head_dim, config.linear_value_head_dim)
     )
 
 
 def linears_mode(step: str, native_bf16: bool, bf16_matmul: bool) -> TorchFunctionMode | None:
     """How `step`'s linear layers are traced on cpu: prefill_chunk's bf16 ones as float32 products of the
-    widened values where the CPU has no bf16 matrix instructions (`bf16_matmul` False: matvec.WidenedLinears),
-    else as they are; every other step as matvec.DecodeLinears says (the native bf16 kernel for bf16 weights
-    when `native_bf16`, float32 weights as weight @ x.T); decode_row (the one graph whose shapes are all
-    static: the other one-row graphs take a dynamic number of positions) writes its other linears as
-    matrix-vector products."""
+    widened values where the CPU has no bf16 matrix instructions (`bf16_matmul` False: matvec.WidenedLinears,
+    through the native bf16 kernel when `native_bf16`), else as they are; every other step as
+    matvec.DecodeLinears says (the native bf16 kernel for bf16 weights when `native_bf16`, float32 weights
+    as weight @ x.T); decode_row (the one graph whose shapes are all static: the other one-row graphs take
+    a dynamic number of positions) writes its other linears as matrix-vector products."""
     if step == "prefill_chunk":
-        return None if bf16_matmul else WidenedLinears()
+        return None if bf16_matmul else WidenedLinears(native_bf16)
     return DecodeLinears(native_bf16, static_rows=step == "decode_row")
 
 
@@ -295,8 +303,8 @@ def _compile_graphs(
     native_bf16 = cpu_kernels and bf16_linear_vectorized()
     bf16_matmul = bf16_matmul_instructions()
     if cpu_kernels and load_native_ops():
-        # The chunked delta rule's builds without AVX-512 are slower than the compiled PyTorch twin.
-        chunk_step = gdn_prefill_chunk_native if avx512_kernels_built() else gdn_prefill_chunk_torch
+        # The chunked delta rule's scalar build is slower than the compiled PyTorch twin.
+        chunk_step = gdn_prefill_chunk_native if gdn_prefill_vectorized() else gdn_prefill_chunk_torch
         model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step)
     try:
         extra = compile_regions(
@@ -310,6 +318,7 @@ def _compile_graphs(
         model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
+    (out_dir / STEP_SHAPES).write_text(json.dumps(dataclasses.asdict(shapes)))
     logger.info("Compiled %s in %.1f s", ", ".join(graphs), time.perf_counter() - total)
 
 

@@ -15,7 +15,9 @@ cases keep `F.linear`.
 Prefill is bound by the matrix products' arithmetic: on a CPU without bf16 matrix instructions (AVX-512
 BF16, AMX), ATen's bf16 product runs several times slower than its float32 one, so bf16 linears are traced
 as the float32 product of the widened values, rounded once to bf16 (`WidenedLinears`): the accumulation
-is float32 either way.
+is float32 either way. Where the native kernel has its AVX2 path, that product is `bf16_linear`'s: it
+streams a chunk of up to 16 tokens through the weight like a decode step, and widens larger chunks' weights
+a tile of rows at a time, never the whole weight into memory.
 """
 
 from __future__ import annotations
@@ -89,9 +91,16 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class WidenedLinears(_LinearTracing):
-    """Within this mode, `F.linear` on bfloat16 x and weight is traced as `widened_linear`."""
+    """Within this mode, `F.linear` on bfloat16 x and weight is traced as their float32 product: as
+    `optimum_qwen36::bf16_linear` where `native_bf16` (2-D weights), else as `widened_linear`."""
+
+    def __init__(self, native_bf16: bool) -> None:
+        super().__init__()
+        self.native_bf16 = native_bf16
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if x.dtype == weight.dtype == torch.bfloat16:
-            return widened_linear(x, weight, bias)
-        return None
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+            return None
+        if self.native_bf16 and weight.dim() == 2:
+            return torch.ops.optimum_qwen36.bf16_linear(x, weight, bias)
+        return widened_linear(x, weight, bias)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,8 +25,9 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h")))
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
-# code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's AVX2 path), AVX-512 with BF16 dot
-# products (bf16_linear, attention, GDN), plus VBMI's byte tables (fp8_linear's bf16 decode path).
+# code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
+# AVX-512 with BF16 dot products (bf16_linear, attention, the GDN prefill), plus VBMI's byte tables
+# (fp8_linear's bf16 decode path).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}
@@ -56,10 +59,12 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *bf16, *byte_tables]
 
 
-def avx512_kernels_built() -> bool:
-    """Whether the extension is built with its AVX-512 (BF16) paths here: `gdn_prefill_chunk`'s other
-    builds are slower than the compiled PyTorch twin, so callers then keep that."""
-    return BF16_FLAGS["avx512_bf16"] in build_flags() and load_native_ops()
+def gdn_prefill_vectorized() -> bool:
+    """Whether `gdn_prefill_chunk` is built with a float32 vector path here (AVX-512, or AVX2 + FMA): its
+    scalar build is slower than the compiled PyTorch twin, so callers then keep that."""
+    flags = build_flags()
+    vector = BF16_FLAGS["avx512f"] in flags or {VECTOR_FLAGS["avx2"], VECTOR_FLAGS["fma"]} <= set(flags)
+    return vector and load_native_ops()
 
 
 def bf16_matmul_instructions() -> bool:
@@ -94,31 +99,49 @@ def extension_name() -> str:
     return f"optimum_qwen36_cpu_{digest.hexdigest()[:12]}"
 
 
+def build_extension(
+    name: str, sources: Sequence[Path], cflags: list[str], python_module: bool, fallback: str
+) -> tuple[bool, Any]:
+    """Compile (first time, cached like torch's C++ extensions) and load an extension with torch's builder:
+    (True, the module where `python_module`, else None). Where it cannot be built here (no compiler, no
+    headers): (False, None), with a warning that names it and says what runs instead (`fallback`)."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            is_python_module=python_module,
+            verbose=False,
+        )
+    except Exception as error:
+        logger.warning(
+            "%s could not be built (%s: %s); %s",
+            name,
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+            fallback,
+        )
+        return False, None
+    return True, module
+
+
 @functools.cache
 def load_native_ops() -> bool:
     """Compile (first time) and load the extension, registering `torch.ops.optimum_qwen36.*`; False, with a
     warning, when it cannot be built here."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(
-            name=extension_name(),
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=build_flags(),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as error:  # no compiler, no headers: fall back to the PyTorch twins
-        logger.warning(
-            "The native CPU kernels could not be built (%s: %s); FP8 linear layers run their PyTorch "
-            "twin, which computes the same values more slowly, bf16 decode steps ATen's F.linear, and "
-            "attention reads the whole block table under a mask.",
-            type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
-        )
-        return False
-    _register_fake_kernels()
-    return True
+    built, _ = build_extension(
+        extension_name(),
+        SOURCES,
+        build_flags(),
+        python_module=False,
+        fallback="FP8 linear layers run their PyTorch twin, which computes the same values more slowly, bf16 "
+        "decode steps ATen's F.linear, and attention reads the whole block table under a mask.",
+    )
+    if built:
+        _register_fake_kernels()
+    return built
 
 
 def _register_fake_kernels() -> None:

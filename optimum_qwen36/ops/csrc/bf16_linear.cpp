@@ -6,10 +6,10 @@
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in one
 // sequential stream per thread, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher
 // falls behind as soon as more than one x row is multiplied). More rows (prefill) go to ATen's matrix
-// product (in float32 on the widened values where there are no bf16 dot products for it). With AVX2 and
-// FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice is widened as it
-// streams (a bf16 is the top half of a float32), then multiplied by FMAs: the
-// weight is still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in
+// product (where there are no bf16 dot products for it, in float32 on tiles of widened weight rows). With
+// AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice is widened
+// as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the weight is still read as
+// bf16, half the bytes of a float32 model. Without either, the same loop runs in
 // scalar float32 (the same values up to summation order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,6 +34,7 @@ constexpr int64_t kStreamRows = 16;      // x rows up to this count stream the w
 constexpr int kRowGroup = 4;             // x rows sharing one pass over a weight row
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weight is prefetched
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
+constexpr int64_t kTileBytes = 4 << 20;   // widened weight rows per tile, for more than kStreamRows x rows
 
 using bf16 = c10::BFloat16;
 #ifdef QWEN36_BF16_AVX2
@@ -113,6 +114,41 @@ void stream_rows(const XValue* x, const bf16* weight, int64_t N, int64_t M, int6
   });
 }
 
+#ifdef QWEN36_BF16_AVX2
+// More than kStreamRows rows without bf16 dot products (ATen's bf16 product then runs several times slower
+// than its float32 one): the float32 product of the widened values (exact), kTileBytes of widened weight rows
+// at a time in a buffer that stays in cache, so the weight is read once as bf16 rather than widened whole
+// into memory and read back.
+at::Tensor widened_tiles_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t M = weight.size(0), K = weight.size(1), N = x.numel() / K;
+  const at::Tensor xf = x.reshape({N, K}).to(at::kFloat).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const bf16* w_ptr = reinterpret_cast<const bf16*>(w.data_ptr());
+  const int64_t tile_rows =
+      std::max<int64_t>(2 * kGrain, kTileBytes / int64_t(sizeof(float) * K) / kGrain * kGrain);
+  at::Tensor tile = at::empty({std::min(tile_rows, M), K}, xf.options());
+  at::Tensor y = at::empty({N, M}, xf.options());
+  for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+    const int64_t rows = std::min(tile_rows, M - m0);
+    float* t = tile.data_ptr<float>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const bf16* src = w_ptr + (m0 + r) * K;
+        float* dst = t + r * K;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, widen_bf16x8(src + k));
+        for (; k < K; ++k) dst[k] = float(src[k]);
+      }
+    });
+    y.narrow(1, m0, rows).copy_(at::mm(xf, tile.narrow(0, 0, rows).t()));
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = M;
+  return y.to(at::kBFloat16).reshape(out_shape);
+}
+#endif
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
@@ -122,10 +158,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const int64_t N = x.numel() / K;
   if (N > kStreamRows) {
 #ifdef QWEN36_BF16_AVX2
-    // No bf16 dot products for ATen's bf16 product to use: the float32 product of the widened values.
-    const auto wide_bias = bias.has_value() && bias->defined() ? std::optional<at::Tensor>(bias->to(at::kFloat))
-                                                               : std::nullopt;
-    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), wide_bias).to(at::kBFloat16);
+    return widened_tiles_linear(x, weight, bias);
 #else
     return at::linear(x, weight, bias);
 #endif

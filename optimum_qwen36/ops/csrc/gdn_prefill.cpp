@@ -16,8 +16,8 @@
 //   S <- e^(c_last) S + K^T (e^(c_last - c) . v_new)
 // with c the in-chunk cumulative log decay and G_ij = e^(c_i - c_j) (j <= i; c summed in float64, so the
 // difference does not cancel under strong decays, and every exponent is <= 0). All arithmetic is float32.
-// The products are register-blocked AVX-512 float32 loops (4 rows x 64 columns); without AVX-512 the same
-// loops run in scalar code.
+// The products are register-blocked float32 vector loops (vec_math.h's f32: AVX-512, or AVX2 + FMA); without
+// either the same loops run in scalar code.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -31,45 +31,49 @@
 #include "gdn_state.h"
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define QWEN36_F32_AVX512 1
-#endif
-
 namespace {
 
 constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;  // rows per register block
+#ifdef QWEN36_F32_VECTOR
+namespace f32 = optimum_qwen36::f32;
+constexpr int kLanes = f32::kLanes;
+#else
+constexpr int kLanes = 16;
+#endif
+// Vectors of C columns per register block: kRows x kPanel accumulators, plus kPanel of B and one of A, fit
+// the register file (AVX-512: 4 rows x 64 columns; AVX2: 4 rows x 16 columns).
+constexpr int kPanel = kLanes == 16 ? 4 : 2;
 
-// c[i][0 .. 16 NV) = (accumulate ? c[i] : 0) + sum over j < depth of a(i, j) b[j][0 .. 16 NV), for i < kRows;
-// a(i, j) = a[i * a_row + j * a_col].
+// c[i][0 .. kLanes NV) = (accumulate ? c[i] : 0) + sum over j < depth of a(i, j) b[j][0 .. kLanes NV), for
+// i < kRows; a(i, j) = a[i * a_row + j * a_col].
 template <int NV>
 inline void block(const float* a, int64_t a_row, int64_t a_col, const float* b, int64_t ldb, int64_t depth,
                   float* c, int64_t ldc, bool accumulate) {
-#ifdef QWEN36_F32_AVX512
-  __m512 acc[kRows][NV];
+#ifdef QWEN36_F32_VECTOR
+  f32::Vec acc[kRows][NV];
 #pragma GCC unroll 4
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? f32::load(c + i * ldc + kLanes * v) : f32::zero();
   for (int64_t j = 0; j < depth; ++j) {
-    __m512 bv[NV];
+    f32::Vec bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + j * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = f32::load(b + j * ldb + kLanes * v);
 #pragma GCC unroll 4
     for (int i = 0; i < kRows; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i * a_row + j * a_col]);
+      const f32::Vec av = f32::set1(a[i * a_row + j * a_col]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = f32::fmadd(av, bv[v], acc[i][v]);
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+    for (int v = 0; v < NV; ++v) f32::store(c + i * ldc + kLanes * v, acc[i][v]);
 #else
   for (int i = 0; i < kRows; ++i)
-    for (int64_t n = 0; n < 16 * NV; ++n) {
+    for (int64_t n = 0; n < kLanes * NV; ++n) {
       float sum = accumulate ? c[i * ldc + n] : 0.0f;
       for (int64_t j = 0; j < depth; ++j) sum += a[i * a_row + j * a_col] * b[j * ldb + n];
       c[i * ldc + n] = sum;
@@ -82,14 +86,14 @@ inline void block(const float* a, int64_t a_row, int64_t a_col, const float* b, 
 // block of rows stops at its last row.
 void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_row, int64_t a_col, const float* b,
           int64_t ldb, float* c, int64_t ldc, bool accumulate, bool causal = false) {
-  // Columns outside, rows inside: a 64-column slice of B stays in L1 while every row block reads it.
-  for (int64_t n = 0; n < cols; n += 64) {
-    const int64_t width = std::min<int64_t>(64, cols - n);
+  // Columns outside, rows inside: a panel of B stays in L1 while every row block reads it.
+  for (int64_t n = 0; n < cols; n += kLanes * kPanel) {
+    const int64_t width = std::min<int64_t>(kLanes * kPanel, cols - n);
     for (int64_t i = 0; i < rows; i += kRows) {
       const int64_t d = causal ? std::min(depth, i + kRows) : depth;
       const float* a_i = a + i * a_row;
       float* c_i = c + i * ldc + n;
-      switch (width / 16) {
+      switch (width / kLanes) {
         case 4: block<4>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
         case 3: block<3>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
         case 2: block<2>(a_i, a_row, a_col, b + n, ldb, d, c_i, ldc, accumulate); break;
@@ -151,18 +155,13 @@ void decay_products(const double* cum, const float* beta, Scratch& s) {
     float* attn = s.attn.data() + i * kChunk;
     const float* kk = s.kk.data() + i * kChunk;
     const float* qk = s.qk.data() + i * kChunk;
-#ifdef QWEN36_F32_AVX512
-    const __m512d c_i = _mm512_set1_pd(cum[i]);
-    for (int64_t j = 0; j < kChunk; j += 16) {
-      const __m256 lo = _mm512_cvtpd_ps(_mm512_sub_pd(c_i, _mm512_loadu_pd(cum + j)));
-      const __m256 hi = _mm512_cvtpd_ps(_mm512_sub_pd(c_i, _mm512_loadu_pd(cum + j + 8)));
-      const __m512 diff = _mm512_castpd_ps(
-          _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-      const int64_t on_or_below = std::clamp<int64_t>(i - j + 1, 0, 16), below = std::clamp<int64_t>(i - j, 0, 16);
-      const __mmask16 causal = __mmask16((1u << on_or_below) - 1), strict = __mmask16((1u << below) - 1);
-      const __m512 gamma = _mm512_maskz_mov_ps(causal, optimum_qwen36::exp_nonpositive(_mm512_min_ps(diff, _mm512_setzero_ps())));
-      _mm512_storeu_ps(a + j, _mm512_maskz_mul_ps(strict, _mm512_mul_ps(_mm512_set1_ps(beta[i]), _mm512_loadu_ps(kk + j)), gamma));
-      _mm512_storeu_ps(attn + j, _mm512_mul_ps(_mm512_loadu_ps(qk + j), gamma));
+#ifdef QWEN36_F32_VECTOR
+    for (int64_t j = 0; j < kChunk; j += kLanes) {
+      const f32::Vec gamma =
+          f32::first_lanes(f32::exp_nonpositive(f32::min(f32::differences(cum[i], cum + j), f32::zero())), i - j + 1);
+      const f32::Vec beta_kk = f32::mul(f32::set1(beta[i]), f32::load(kk + j));
+      f32::store(a + j, f32::first_lanes(f32::mul(beta_kk, gamma), i - j));
+      f32::store(attn + j, f32::mul(f32::load(qk + j), gamma));
     }
 #else
     for (int64_t j = 0; j < kChunk; ++j) {
@@ -175,21 +174,22 @@ void decay_products(const double* cum, const float* beta, Scratch& s) {
 }
 
 // x <- (I + A)^-1 x for A strictly lower triangular [C, C] and x [C, V] (V a multiple of 16): row i minus
-// sum_{j<i} A_ij x_j, rows in order (forward substitution), 64 columns at a time kept in registers.
+// sum_{j<i} A_ij x_j, rows in order (forward substitution), 4 vectors of columns at a time kept in registers.
 void forward_substitute(const float* a, float* x, int64_t V) {
-#ifdef QWEN36_F32_AVX512
-  for (int64_t n = 0; n < V; n += 16) {
-    const int nv = int(std::min<int64_t>(4, (V - n) / 16));
+#ifdef QWEN36_F32_VECTOR
+  constexpr int kColumns = 4;  // vectors of x per pass: independent chains of FMAs
+  for (int64_t n = 0; n < V; n += kLanes) {
+    const int nv = int(std::min<int64_t>(kColumns, (V - n) / kLanes));
     for (int64_t i = 1; i < kChunk; ++i) {
-      __m512 acc[4];
-      for (int v = 0; v < nv; ++v) acc[v] = _mm512_loadu_ps(x + i * V + n + 16 * v);
+      f32::Vec acc[kColumns];
+      for (int v = 0; v < nv; ++v) acc[v] = f32::load(x + i * V + n + kLanes * v);
       for (int64_t j = 0; j < i; ++j) {
-        const __m512 aij = _mm512_set1_ps(-a[i * kChunk + j]);
-        for (int v = 0; v < nv; ++v) acc[v] = _mm512_fmadd_ps(aij, _mm512_loadu_ps(x + j * V + n + 16 * v), acc[v]);
+        const f32::Vec aij = f32::set1(-a[i * kChunk + j]);
+        for (int v = 0; v < nv; ++v) acc[v] = f32::fmadd(aij, f32::load(x + j * V + n + kLanes * v), acc[v]);
       }
-      for (int v = 0; v < nv; ++v) _mm512_storeu_ps(x + i * V + n + 16 * v, acc[v]);
+      for (int v = 0; v < nv; ++v) f32::store(x + i * V + n + kLanes * v, acc[v]);
     }
-    n += 16 * (nv - 1);
+    n += kLanes * (nv - 1);
   }
 #else
   for (int64_t i = 1; i < kChunk; ++i)
