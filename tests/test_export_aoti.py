@@ -198,18 +198,20 @@ def test_without_the_graph_runner_graphs_run_through_torchs_loader(
 
 
 def test_an_extension_that_does_not_build_is_reported_with_its_fallback(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What every native extension does where it cannot be built: no exception, a warning that names the
     extension, the compiler's complaint and what runs instead."""
     from optimum_qwen36.ops.native import build_extension
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     source = tmp_path / "broken.cpp"
     source.write_text("this is not C++;\n")
     with caplog.at_level("WARNING"):
         built, module = build_extension(
-            "optimum_qwen36_broken_test", [source], [], python_module=True, fallback="the twin runs."
-        )
+            "The test kernels", "optimum_qwen36_broken_test", [source], [], python_module=True,
+            fallback="the twin runs.",
+        )  # fmt: skip
     assert (built, module) == (False, None)
-    assert "optimum_qwen36_broken_test could not be built" in caplog.text
+    assert "The test kernels could not be built" in caplog.text
     assert caplog.text.rstrip().endswith("the twin runs.")

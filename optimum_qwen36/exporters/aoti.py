@@ -236,6 +236,7 @@ def graph_runner_module() -> Any:
     like torch's C++ extensions); None, with a warning, where it cannot be built."""
     digest = hashlib.sha256(torch.__version__.encode() + GRAPH_RUNNER_SOURCE.read_bytes()).hexdigest()[:12]
     _, module = build_extension(
+        "The graph runner",
         f"optimum_qwen36_graph_runner_{digest}",
         [GRAPH_RUNNER_SOURCE],
         ["-O2"],

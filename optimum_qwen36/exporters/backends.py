@@ -154,10 +154,12 @@ class AOTIBackend:
 
         self.graphs = {step: load_step(model, step, load, device, self.one_row_step) for step in present}
         shapes_file = files_dir / STEP_SHAPES
-        if shapes_file.is_file():
-            self.prefill_takes_any_tokens = bool(json.loads(shapes_file.read_text())["any_prefill_tokens"])
-        else:  # exported before the shapes were recorded: decided as that export did
-            self.prefill_takes_any_tokens = prefill_takes_any_tokens(model, cpu_kernels=self.name == "cpu")
+        if not shapes_file.is_file():
+            raise FileNotFoundError(
+                f"{files_dir} lacks {STEP_SHAPES} (what its graphs take, recorded at export). Re-export "
+                "the model with from_pretrained(..., export=True)."
+            )
+        self.prefill_takes_any_tokens = bool(json.loads(shapes_file.read_text())["any_prefill_tokens"])
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         used = blocks_in_use(method, args, cut_tokens=self.prefill_takes_any_tokens)
@@ -212,7 +214,7 @@ class AOTIBackend:
             return
         target.mkdir(parents=True, exist_ok=True)
         for path in self.files_dir.iterdir():
-            if path.suffix in (".pt2", ".safetensors", ".json"):
+            if path.suffix in (".pt2", ".safetensors") or path.name == STEP_SHAPES:
                 shutil.copyfile(path, target / path.name)
 
     @classmethod
@@ -266,8 +268,7 @@ def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> boo
     """Whether the prefill graphs take 2..chunk tokens (the chunk's valid ones) rather than a whole chunk:
     where the GDN layers' chunked delta rule is the native op (cpu, its vector build, head sizes it takes).
     The PyTorch form (cuda, other CPUs) walks 64-token blocks in Python, so its export would specialise
-    the token count. Export and load decide alike (same model, backend and instruction set: an artifact's
-    ISA is checked at load)."""
+    the token count. Decided at export and recorded with the graphs (`STEP_SHAPES`)."""
     config = model.config
     return (
         cpu_kernels

@@ -72,11 +72,13 @@ def graph_source_digest() -> str:
         Path(fp8.__file__),
         Path(attention.__file__),
         Path(gdn.__file__),
+        Path(native.__file__),
         *native.FILES,
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
         Path(__file__).parent / "aoti.py",
         Path(__file__).parent / "backends.py",
+        Path(__file__).parent / "base.py",
         Path(__file__).parent / "matvec.py",
         Path(__file__).parent / "regions.py",
     ]

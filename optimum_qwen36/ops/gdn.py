@@ -91,8 +91,8 @@ def gdn_prefill_chunk_torch(
 
 
 def native_chunk_supported(k_dim: int, v_dim: int) -> bool:
-    """Whether `gdn_prefill_chunk_native` runs the native op for these head sizes (multiples of its 16-float
-    vectors) rather than the PyTorch form."""
+    """Whether `gdn_prefill_chunk_native` runs the native op for these head sizes (multiples of 16: its
+    register blocks are 16 floats wide at least) rather than the PyTorch form."""
     return k_dim % 16 == 0 and v_dim % 16 == 0
 
 

@@ -100,11 +100,12 @@ def extension_name() -> str:
 
 
 def build_extension(
-    name: str, sources: Sequence[Path], cflags: list[str], python_module: bool, fallback: str
+    label: str, name: str, sources: Sequence[Path], cflags: list[str], python_module: bool, fallback: str
 ) -> tuple[bool, Any]:
-    """Compile (first time, cached like torch's C++ extensions) and load an extension with torch's builder:
-    (True, the module where `python_module`, else None). Where it cannot be built here (no compiler, no
-    headers): (False, None), with a warning that names it and says what runs instead (`fallback`)."""
+    """Compile (first time, cached like torch's C++ extensions) and load the extension `name` with torch's
+    builder: (True, the module where `python_module`, else None). Where it cannot be built here (no
+    compiler, no headers): (False, None), with a warning that names it (`label`) and says what runs instead
+    (`fallback`)."""
     from torch.utils.cpp_extension import load
 
     try:
@@ -118,7 +119,7 @@ def build_extension(
     except Exception as error:
         logger.warning(
             "%s could not be built (%s: %s); %s",
-            name,
+            label,
             type(error).__name__,
             str(error).splitlines()[0] if str(error) else "",
             fallback,
@@ -132,6 +133,7 @@ def load_native_ops() -> bool:
     """Compile (first time) and load the extension, registering `torch.ops.optimum_qwen36.*`; False, with a
     warning, when it cannot be built here."""
     built, _ = build_extension(
+        "The native CPU kernels",
         extension_name(),
         SOURCES,
         build_flags(),
