@@ -3,8 +3,7 @@ decisive trained model of tests/pattern_model.py.
 
 The exported `cpu` backend in bf16 is compared with the eager backend in bf16 and with transformers in bf16
 and fp32: greedy match rate and max |logit difference|, for batched decoding and one row at a time
-separately (one row runs `decode_row`'s graphs, or `decode_step`'s where the native bf16 kernel is built:
-backends.one_row_decode_step). `python benchmarks/bf16_accuracy.py` records the same figures
+separately (one row runs `decode_row`'s graphs). `python benchmarks/bf16_accuracy.py` records the same figures
 (docs/EXPORT.md).
 
 The export goes through a Hub compile-cache repository (a stub client): it also checks what is uploaded.
@@ -32,7 +31,6 @@ from pattern_model import (
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import ENTRY_NAME
-from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 # Max |logit difference| allowed against each reference: the largest of the two graphs' values measured on
 # this machine (eager 0.09, transformers bf16 0.16, fp32 0.15: benchmarks/bf16_accuracy.py records them),
@@ -45,8 +43,7 @@ MIN_MARGIN = 2.0  # the fp32 model's smallest top-2 gap: its greedy tokens are n
 CACHE_REPO = "me/qwen36-compile-cache"
 # How each of our runs decodes, and the graphs it must run (prefill_chunk always): the one-row step for one
 # row.
-ONE_ROW_STEP = "decode_step" if bf16_linear_vectorized() else "decode_row"
-OURS = {"cpu bf16, batched": ("decode_step",), "cpu bf16, one row at a time": (ONE_ROW_STEP,)}
+OURS = {"cpu bf16, batched": ("decode_step",), "cpu bf16, one row at a time": ("decode_row",)}
 
 
 class CountingGraph:
@@ -115,7 +112,6 @@ def test_trained_model_is_decisive(bf16) -> None:
 def test_each_decode_graph_runs_where_expected(bf16, ours: str) -> None:
     calls = bf16["graph_calls"][ours]
     assert set(calls) == {"prefill_chunk", *OURS[ours]}, calls
-    assert bf16["model"].backend.one_row_step == ONE_ROW_STEP
 
 
 @pytest.mark.parametrize("reference", list(LOGITS_ATOL))
@@ -146,11 +142,9 @@ def test_export_uploaded_its_compilation_to_the_hub_cache_repo(bf16) -> None:
     upload = calls["upload_folder"]
     key = upload["path_in_repo"]
     assert upload["repo_id"] == CACHE_REPO
-    steps, kinds = {"prefill_chunk", ONE_ROW_STEP, "decode_step"}, ("linear_attention", "full_attention")
+    steps, kinds = {"prefill_chunk", "decode_row", "decode_step"}, ("linear_attention", "full_attention")
     graphs = {f"{step}.{kind}.pt2" for step in steps for kind in kinds}
     heads = {f"{step}.head.pt2" for step in steps - {"prefill_chunk"}}
     assert {*graphs, *heads, ENTRY_NAME} <= set(upload["files"])
-    # decode_step decoding one row too, no decode_row graph is compiled
-    assert ONE_ROW_STEP == "decode_row" or not any(f.startswith("decode_row") for f in upload["files"])
     local: Path = bf16["root"] / "compile_cache" / key
     assert sorted(p.name for p in (hub.root / key).iterdir()) == sorted(p.name for p in local.iterdir())

@@ -23,6 +23,7 @@ from optimum_qwen36.cli import main as cli_main
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters import artifact, backends, regions
 from optimum_qwen36.exporters.backends import graphs_to_compile
+from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.compile_cache import CompileCache
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
@@ -30,7 +31,8 @@ if BACKEND not in ("cpu", "cuda"):
     raise ValueError(f"OPTIMUM_QWEN36_TEST_BACKEND must be 'cpu' or 'cuda', got {BACKEND!r}")
 if BACKEND == "cuda" and not torch.cuda.is_available():
     pytest.skip("OPTIMUM_QWEN36_TEST_BACKEND=cuda needs a CUDA GPU", allow_module_level=True)
-SETTINGS = dict(batch_size=2, sequence_length=128, prefill_chunk_size=16, dtype="float32")
+# Three 64-token KV blocks, so the block table width is a dynamic dimension (2..3, `regions._dims`).
+SETTINGS = dict(batch_size=2, sequence_length=192, prefill_chunk_size=16, dtype="float32")
 PROMPT_LENGTHS = [5, 21]  # shorter than one prefill chunk, and two chunks
 NEW_TOKENS = 24
 
@@ -222,7 +224,7 @@ def test_cli_export_generate_and_cache(
         "--batch-size",
         "2",
         "--sequence-length",
-        "128",
+        str(SETTINGS["sequence_length"]),
         "--prefill-chunk-size",
         "16",
     ]
@@ -326,8 +328,8 @@ def test_attention_reads_only_the_blocks_in_use(
     exported, no_compilation, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The block table width is a dynamic dimension of the graphs: each step gets the KV blocks that hold
-    its positions (64-token blocks here), not the whole compiled sequence_length, and generates the tokens
-    of transformers and of full-width tables."""
+    its positions (64-token blocks here; at least two, where the compiled width starts), not the whole
+    compiled sequence_length, and generates the tokens of transformers and of full-width tables."""
     _, reference, _, model, _ = exported
     graphs = dict(model.backend.graphs)
     widths: list[tuple[str, int]] = []
@@ -339,8 +341,10 @@ def test_attention_reads_only_the_blocks_in_use(
 
         return run
 
-    prompt, _ = left_padded_prompts([60], seed=2)
-    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    prompt, _ = left_padded_prompts([100], seed=2)
+    new_tokens = 40
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
+    kwargs |= dict(return_dict_in_generate=True, output_logits=True)
     model.backend.graphs = {method: recording(method) for method in graphs}
     try:
         narrow = model.generate(prompt, **kwargs)
@@ -350,14 +354,31 @@ def test_attention_reads_only_the_blocks_in_use(
             full = model.generate(prompt, **kwargs)
     finally:
         model.backend.graphs = graphs
-    # prefill: 4 chunks of 16 within block 0; decode: positions 60..63 in block 0, then 64..68 reach block 1
-    assert narrow_widths == [("prefill_chunk", 1)] * 4 + [("decode_row", 1)] * 4 + [("decode_row", 2)] * 5
-    assert {width for _, width in widths[len(narrow_widths) :]} == {2}  # the compiled sequence_length
+    # prefill: 7 chunks of 16 (the last of 4) within blocks 0-1; decode: positions 100..127 in blocks 0-1,
+    # then 128..138 reach block 2
+    expected = [("prefill_chunk", 2)] * 7 + [("decode_row", 2)] * 28 + [("decode_row", 3)] * 11
+    assert narrow_widths == expected
+    assert {width for _, width in widths[len(narrow_widths) :]} == {3}  # the compiled sequence_length
     assert torch.equal(narrow.sequences, full.sequences)
     for a, b in zip(narrow.logits, full.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    hf = reference.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    hf = reference.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     assert torch.equal(narrow.sequences, hf)
+
+
+def test_a_graph_refuses_a_call_outside_its_compiled_shapes(exported, no_compilation) -> None:
+    """decode_step's batch is the static 2 here (no dynamic dimension starts at one row: `regions._dims`),
+    and its block table width 2..3: a call with one row, or with a one-column table, raises a clear error
+    instead of reading past its tensors; the shapes it was compiled for run."""
+    _, _, _, model, _ = exported
+    decode = model.backend.graphs["decode_step"]
+    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    input_ids, positions, slots, tables, *caches = args
+    assert decode(*args).shape == (2, model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="not compiled for"):
+        decode(input_ids[:1], positions[:1], slots[:1], tables[:1], *caches)
+    with pytest.raises(RuntimeError, match="not compiled for"):
+        decode(input_ids, positions, slots, tables[:, :1].contiguous(), *caches)
 
 
 def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) -> None:

@@ -16,7 +16,6 @@ from optimum_qwen36.exporters.backends import (
     AOTIBackend,
     graphs_to_compile,
     linears_mode,
-    one_row_decode_step,
 )
 from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.matvec import (
@@ -199,36 +198,30 @@ def test_widened_linear_is_the_float32_product_rounded_once() -> None:
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * exact.abs().max()).all()
 
 
-@pytest.mark.parametrize("one_row_step", ["decode_row", "decode_step"])
-def test_one_row_runs_the_one_row_step_and_more_rows_decode_step(
-    monkeypatch: pytest.MonkeyPatch, one_row_step: str
-) -> None:
+def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from optimum_qwen36.exporters import backends
 
     monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
     backend.prefill_takes_any_tokens = False
     backend.device = "cpu"
-    backend.one_row_step = one_row_step
     ran: list[tuple[str, int]] = []
     backend.graphs = {
         graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)
-        for graph in ("prefill_chunk", one_row_step, "decode_step")
+        for graph in ("prefill_chunk", "decode_row", "decode_step")
     }
     for rows in (1, 2):
         backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
-    assert ran == [(one_row_step, 1), ("decode_step", 2)]
+    assert ran == [("decode_row", 1), ("decode_step", 2)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_decode_step_decodes_one_row_where_it_traces_decode_rows_ops(dtype: str, batch_size: int) -> None:
-    """decode_row's graphs are compiled only where they would differ from decode_step's: one-row
-    matrix-vector sums (float32, or no native bf16 kernel), or a batch of one (no decode_step at all)."""
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_decode_row_is_always_compiled_and_decode_step_above_one_row(dtype: str, batch_size: int) -> None:
+    """Inductor compiles a dynamic batch for 2 rows and up, so one row has graphs of its own."""
     config = Qwen36NeuronConfig(backend="cpu", batch_size=batch_size, sequence_length=512, dtype=dtype)
-    shared = bf16_linear_vectorized() and dtype == "bfloat16" and batch_size > 1
-    assert one_row_decode_step(config) == ("decode_step" if shared else "decode_row")
-    assert ("decode_row" in graphs_to_compile(config)) != shared
+    graphs = graphs_to_compile(config)
+    assert "decode_row" in graphs and ("decode_step" in graphs) == (batch_size > 1)
 
 
 def test_a_compiled_directory_without_its_graphs_is_refused(tiny_checkpoint, tmp_path) -> None:

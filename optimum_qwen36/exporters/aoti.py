@@ -262,6 +262,9 @@ class CompiledGraph:
     ) -> None:
         device_index = torch.device(device).index
         device_index = -1 if device_index is None else device_index
+        # A graph checks its inputs' dtypes, sizes and strides against what it was compiled for only where
+        # this is set (read at its first call); unchecked, a mismatched call reads past its tensors.
+        os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
         module = graph_runner_module()
         if module is not None:
             runner = module.GraphRunner(str(package_path), device_index=device_index)
@@ -286,7 +289,16 @@ class CompiledGraph:
         self.package_path = str(package_path)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        outputs = self._runner.run(list(args))
+        try:
+            outputs = self._runner.run(list(args))
+        except RuntimeError as error:
+            if "input_handles" not in str(error):  # not the input check's
+                raise
+            shapes = [(tuple(arg.shape), arg.stride(), str(arg.dtype)) for arg in args]
+            raise RuntimeError(
+                f"{self.package_path} was called with inputs it was not compiled for ({error}); inputs "
+                f"(shape, stride, dtype): {shapes}"
+            ) from error
         return outputs[0] if len(outputs) == 1 else outputs
 
     @property

@@ -1,8 +1,7 @@
 """Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
 
 - `cpu` / `cuda`: AOTInductor packages for three steps, `prefill_chunk`, `decode_row` (one-row decode steps)
-  and, when the exported batch is larger, `decode_step` (2..batch rows, or 1..batch rows and no decode_row
-  where both would trace the same ops: `one_row_decode_step`); each step is compiled by regions
+  and, when the exported batch is larger, `decode_step` (2..batch rows); each step is compiled by regions
   (`compiled/<step>.<region>.pt2`: one graph per decoder-layer kind and the head, regions.py) that take the
   model's own tensors (memory-mapped from safetensors).
 - `neuron`: see `exporters/neuron.py`.
@@ -71,28 +70,11 @@ STEP_SHAPES = "step_shapes.json"
 CacheFactory = Callable[[str], Qwen36HybridCache]
 
 
-def one_row_decode_step(neuron_config: Qwen36NeuronConfig) -> str:
-    """The step that decodes one row. decode_row has graphs of its own where they trace other linears than
-    decode_step's (matvec.DecodeLinears: without the native bf16 kernel, or with float32 weights, one row
-    is a matrix-vector sum). On cpu with the native kernel and bf16 weights both would trace the same ops
-    (bf16_linear, fp8_linear, the native GDN and attention ops) and decode one row as fast, so a batch
-    above one row exports decode_step for 1..batch rows and no decode_row graph."""
-    if (
-        neuron_config.backend == "cpu"
-        and neuron_config.batch_size > 1
-        and neuron_config.dtype == "bfloat16"
-        and bf16_linear_vectorized()
-    ):
-        return "decode_step"
-    return "decode_row"
-
-
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
-    """decode_step only when the exported batch has more than one row; decode_row unless decode_step
-    decodes one row too (`one_row_decode_step`)."""
+    """decode_step only when the exported batch has more than one row (one row runs decode_row: a compiled
+    dynamic batch starts at 2 rows, `regions._dims`)."""
     speculative = neuron_config.num_speculative_tokens > 0
-    decode_row = ["decode_row"] if one_row_decode_step(neuron_config) == "decode_row" else []
-    one_row = ["prefill_chunk", *decode_row, *(SPECULATIVE_ROW_STEPS if speculative else ())]
+    one_row = ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
     batched = ["decode_step", *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
     return [*one_row, *batched] if neuron_config.batch_size > 1 else one_row
 
@@ -118,18 +100,12 @@ class AOTIBackend:
         if self.name == "cpu":
             load_native_ops()  # the graphs call its custom ops (attention; FP8 and bf16 linear layers)
 
-        def complete(step: str, one_row_step: str) -> bool:
-            return all((files_dir / f).is_file() for f in step_files(model, step, one_row_step))
+        def complete(step: str) -> bool:
+            return all((files_dir / f).is_file() for f in step_files(model, step))
 
-        # An export without decode_row graphs decodes one row with decode_step's (`one_row_decode_step`).
-        if not complete("decode_row", "decode_row") and complete("decode_step", "decode_step"):
-            self.one_row_step = "decode_step"
-        else:
-            self.one_row_step = "decode_row"
-        present = [step for step in STEPS if complete(step, self.one_row_step)]
-        if not {"prefill_chunk", self.one_row_step} <= set(present):
-            one_row = self.one_row_step
-            files = step_files(model, "prefill_chunk", one_row) + step_files(model, one_row, one_row)
+        present = [step for step in STEPS if complete(step)]
+        if not {"prefill_chunk", "decode_row"} <= set(present):
+            files = step_files(model, "prefill_chunk") + step_files(model, "decode_row")
             needed = ", ".join(dict.fromkeys(files))
             found = sorted(path.name for path in files_dir.glob("*.pt2"))
             raise FileNotFoundError(
@@ -152,7 +128,7 @@ class AOTIBackend:
             own = {name.removeprefix(prefix): t for name, t in extra.items() if name.startswith(prefix)}
             return CompiledGraph(files_dir / file, own, device)
 
-        self.graphs = {step: load_step(model, step, load, device, self.one_row_step) for step in present}
+        self.graphs = {step: load_step(model, step, load, device) for step in present}
         shapes_file = files_dir / STEP_SHAPES
         if not shapes_file.is_file():
             raise FileNotFoundError(
@@ -169,7 +145,7 @@ class AOTIBackend:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run(self.one_row_step if args[0].shape[0] == 1 else "decode_step", args)
+        return self._run("decode_row" if args[0].shape[0] == 1 else "decode_step", args)
 
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,8 +219,7 @@ class AOTIBackend:
                 examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 shapes = StepShapes(
-                    any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels=backend == "cpu"),
-                    one_row_step=one_row_decode_step(neuron_config),
+                    any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels=backend == "cpu")
                 )
                 _compile_graphs(model, graphs, staging, cpu_kernels=backend == "cpu", shapes=shapes)
                 if cache is not None:

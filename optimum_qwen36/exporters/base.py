@@ -41,9 +41,11 @@ class StepBackend(Protocol):
         """Write what a saved model needs to run this backend without compiling (under directory)."""
 
 
-# The fewest tokens a prefill graph takes (a size-1 example dimension would be specialised at export): a
-# one-token chunk runs padded to this.
+# The fewest tokens a prefill graph takes and the fewest block-table columns a step passes: Inductor
+# compiles dynamic sizes for 2 and up (`regions._dims`), so a one-token chunk runs padded to 2 tokens and
+# a one-block table passes a second (masked-out) column.
 MIN_PREFILL_TOKENS = 2
+MIN_TABLE_BLOCKS = 2
 
 
 def blocks_in_use(
@@ -57,11 +59,11 @@ def blocks_in_use(
     block_size = args[-4].shape[2]  # key_cache [attention layers, blocks, block_size, heads, head_dim]
     if method == "prefill_chunk":
         input_ids, start_pos, num_valid, slot, block_table, *caches = args
-        used = -(-(int(start_pos) + int(num_valid)) // block_size)
+        used = table_width(-(-(int(start_pos) + int(num_valid)) // block_size), len(block_table))
         tokens = input_ids[:, : max(int(num_valid), MIN_PREFILL_TOKENS)] if cut_tokens else input_ids
         return (tokens, start_pos, num_valid, slot, block_table[:used], *caches)
     input_ids, positions, slots, block_tables, *caches = args
-    used = int(positions.max()) // block_size + 1
+    used = table_width(int(positions.max()) // block_size + 1, block_tables.shape[1])
     return (input_ids, positions, slots, block_tables[:, :used].contiguous(), *caches)
 
 
@@ -71,7 +73,13 @@ def rows_blocks_in_use(
     """The block tables [B, max_blocks] of a step of several tokens per row, cut to the blocks holding its
     positions (see `blocks_in_use`)."""
     used = -(-int((start_pos + num_valid).max()) // block_size)
-    return block_tables[:, :used].contiguous()
+    return block_tables[:, : table_width(used, block_tables.shape[1])].contiguous()
+
+
+def table_width(used: int, width: int) -> int:
+    """How many of a block table's `width` columns a step passes when `used` hold its positions: at least
+    MIN_TABLE_BLOCKS (the compiled graphs' dynamic width starts there; the extra block is masked out)."""
+    return min(width, max(used, MIN_TABLE_BLOCKS))
 
 
 class EagerBackend:

@@ -10,8 +10,7 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 - one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
   serves every layer of its kind; the caches are updated in place as in a whole-model graph;
 - the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
-  last valid token (`model.last_valid`, eager), so prefill runs the head graph of the step that decodes one
-  row (`StepShapes.one_row_step`: decode_row, or decode_step where its batch starts at one row).
+  last valid token (`model.last_valid`, eager), so prefill runs decode_row's head graph.
 
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
@@ -38,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
 from .aoti import CompiledGraph, export_method
-from .base import MIN_PREFILL_TOKENS
+from .base import MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
 from .compile_workers import CompilePool, default_workers
 
 logger = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ PREFILL_ONLY_FIELDS = ("valid", "num_valid")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# The steps with a head graph of their own (prefill's one-row logits run the one-row step's: `head_step`),
+# The steps with a head graph of their own (prefill's one-row logits run decode_row's: `head_step`),
 # and what it computes.
 HEAD_FUNCTION_OF = {
     "decode_row": "decode_logits",
@@ -77,16 +76,14 @@ BATCHED_STEPS = ("decode_step", "verify_step", "mtp_step")
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
     """What the graphs take beyond their example shapes. `any_prefill_tokens`: the prefill graphs take
-    2..chunk tokens (`_dims`). `one_row_step`: the step that decodes one row, "decode_row" (graphs of their
-    own) or "decode_step" (whose batch then starts at one row, and no decode_row graph is compiled)."""
+    2..chunk tokens (`_dims`)."""
 
     any_prefill_tokens: bool = False
-    one_row_step: str = "decode_row"
 
 
-def head_step(step: str, one_row_step: str) -> str:
-    """Whose head graph `step` runs: prefill's is the one-row decode step's."""
-    return one_row_step if step == "prefill_chunk" else step
+def head_step(step: str) -> str:
+    """Whose head graph `step` runs: prefill's is decode_row's (one row)."""
+    return "decode_row" if step == "prefill_chunk" else step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +142,12 @@ def region_file(step: str, region: str) -> str:
     return f"{step}.{region}.pt2"
 
 
-def step_files(model: Qwen36ForCausalLM, step: str, one_row_step: str = "decode_row") -> list[str]:
-    """The packages a step runs (prefill_chunk's head is the one-row decode step's)."""
+def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
+    """The packages a step runs (prefill_chunk's head is decode_row's)."""
     if step in MTP_STEPS:
         return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
-    return [*layers, region_file(head_step(step, one_row_step), HEAD)]
+    return [*layers, region_file(head_step(step), HEAD)]
 
 
 def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
@@ -230,6 +227,17 @@ def mtp_region(model: Qwen36ForCausalLM) -> nn.Module:
     return _TensorsAsInputs(model, run, mtp_tensor_names(model))
 
 
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor viewed with row-major strides on every dimension: a graph may give a size-1
+    dimension of its output any stride, and the next graph's input check (`aoti.CompiledGraph`) compares
+    strides as compiled."""
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= size
+    return tensor.as_strided(tensor.shape, strides[::-1]) if tensor.is_contiguous() else tensor.contiguous()
+
+
 class RegionalStep:
     """One step of the model run as its regions: the inputs eagerly, then each layer's graph with that
     layer's tensors, then the head. Called with the step's arguments, as the whole-model method would be."""
@@ -268,11 +276,11 @@ class RegionalStep:
         """The last layer's output for the step's arguments, and the step's inputs."""
         hidden, inputs = self._inputs(*args)
         for graph, fields, tail in self._layers:
-            hidden = graph(hidden, *(getattr(inputs, field) for field in fields), *tail)
+            hidden = graph(dense(hidden), *(getattr(inputs, field) for field in fields), *tail)
         return hidden, inputs
 
     def head(self, hidden: torch.Tensor) -> Any:
-        out = self.head_graph(hidden, *self._head_weights)
+        out = self.head_graph(dense(hidden), *self._head_weights)
         return tuple(out) if isinstance(out, list) else out
 
 
@@ -298,19 +306,21 @@ def _dims(
 ) -> dict[str, dict[int, Any] | None]:
     """Dynamic dimensions of the region arguments, by StepInputs field ("hidden" too). Left dynamic:
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
-    - the block table width, so attention reads only the blocks in use (`blocks_in_use`), not the whole
-      compiled sequence_length;
+    - the block table width, 2..max_blocks (`base.MIN_TABLE_BLOCKS`), so attention reads only the blocks
+      in use (`blocks_in_use`), not the whole compiled sequence_length;
     - the batched steps' batch, 2..max_rows rows, so only the active rows are computed (one row runs the
-      *_row step), or for decode_step 1..max_rows when it is `shapes.one_row_step`;
+      *_row step);
     - with `shapes.any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a
       chunk computes its valid tokens only (`blocks_in_use`); and the MTP step's.
-    An example size of 1 would be specialised: such a dimension stays static."""
+    No dynamic dimension starts at 1: Inductor compiles a dynamic size for 2 and up (a size of 1 would be
+    a different program), and after the compile workers' save / load a range of [1, 2] is compiled as the
+    constant 2. A range that would hold one size only stays static."""
     max_blocks = inputs.block_tables.shape[1]
     blocks = torch.export.Dim("num_kv_blocks", min=2)
-    width = torch.export.Dim("blocks_per_row", min=1, max=max_blocks) if max_blocks > 1 else None
-    min_rows = 1 if step == shapes.one_row_step else 2
-    batched = step in BATCHED_STEPS and max_rows > min_rows
-    batch = torch.export.Dim("batch", min=min_rows, max=max_rows) if batched else None
+    wide = max_blocks > MIN_TABLE_BLOCKS
+    width = torch.export.Dim("blocks_per_row", min=MIN_TABLE_BLOCKS, max=max_blocks) if wide else None
+    batched = step in BATCHED_STEPS and max_rows > 2
+    batch = torch.export.Dim("batch", min=2, max=max_rows) if batched else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
     many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and shapes.any_prefill_tokens)
     tokens = (
@@ -370,7 +380,7 @@ def compile_regions(
     traced within `tracing_mode_of(step)`. The graphs compile side by side as they are exported
     (`compile_workers.CompilePool`). Returns the tensors the traced code made itself that must be bound at
     load, as "<file>/<name>"."""
-    files = {file for step in steps for file in step_files(model, step, shapes.one_row_step)}
+    files = {file for step in steps for file in step_files(model, step)}
     paths: list[Path] = []
     with CompilePool(default_workers(len(files)), total=len(files)) as pool:
         for step, args in steps.items():
@@ -432,11 +442,10 @@ def load_step(
     step: str,
     load: Callable[[str], CompiledGraph],
     device: str,
-    one_row_step: str = "decode_row",
 ) -> RegionalStep | MTPStep:
     """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
     if step in MTP_STEPS:
         return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    head = load(region_file(head_step(step, one_row_step), HEAD))
+    head = load(region_file(head_step(step), HEAD))
     return RegionalStep(model, step, layer_graphs, head, device)
