@@ -1,14 +1,14 @@
 """bf16 accuracy of the exported `cpu` backend: the figures of docs/EXPORT.md's bf16 table, on the trained
 model of tests/pattern_model.py (tests/test_export_bf16.py asserts the tolerance; this records the values).
 
-A tiny 4-layer model trained on a repeating 64-token pattern (decisive logits), exported for the `cpu`
-backend in bf16 (batch 3, sequence 96, prefill chunk 16), generates 32 greedy tokens from 3 left-padded
-prompts (5 / 21 / 37 tokens), in one batch (the `decode_step` graph) and one row at a time (`decode_row`).
-Each is compared with the eager backend in bf16 and with transformers in bf16 and fp32: greedy match rate
-and max |logit difference| (over the steps up to each row's first mismatch, as in the test). For scale,
-the references against each other; and the same references on the untrained (random) model, whose nearly
-flat logits make greedy matches meaningless. Deterministic on a given machine: one run. One AOTInductor
-export of three tiny graphs: about 2-3 minutes on 2 cores.
+A tiny 4-layer model trained on a repeating 64-token pattern (decisive logits), exported for the `cpu` backend
+in bf16 (batch 3, sequence 96, prefill chunk 16), generates 32 greedy tokens from 3 left-padded prompts (5 /
+21 / 37 tokens), in one batch and one row at a time (both on the `decode_step` graphs; one row is padded to
+two). Each is compared with the eager backend in bf16 and with transformers in bf16 and fp32: greedy match
+rate and max |logit difference| (over the steps up to each row's first mismatch, as in the test). For scale,
+the references against each other; and the same references on the untrained (random) model, whose nearly flat
+logits make greedy matches meaningless. Deterministic on a given machine: one run. One AOTInductor export of
+tiny graphs: about 2-3 minutes on 2 cores.
 
     python benchmarks/bf16_accuracy.py
     python benchmarks/bf16_accuracy.py --compile-cache-dir ~/.cache/optimum-qwen36 --output /tmp/bf16.json

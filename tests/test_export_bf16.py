@@ -3,8 +3,8 @@ decisive trained model of tests/pattern_model.py.
 
 The exported `cpu` backend in bf16 is compared with the eager backend in bf16 and with transformers in bf16
 and fp32: greedy match rate and max |logit difference|, for batched decoding and one row at a time
-separately (one row runs `decode_row`'s graphs). `python benchmarks/bf16_accuracy.py` records the same figures
-(docs/EXPORT.md).
+separately (one row runs `decode_step`'s graphs, padded to two rows). `python benchmarks/bf16_accuracy.py`
+records the same figures (docs/EXPORT.md).
 
 The export goes through a Hub compile-cache repository (a stub client): it also checks what is uploaded.
 """
@@ -29,6 +29,7 @@ from pattern_model import (
 )
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import ENTRY_NAME
 
@@ -41,9 +42,9 @@ MAX_ABS_LOGIT = 16.0
 MIN_GREEDY_MATCH = 1.0
 MIN_MARGIN = 2.0  # the fp32 model's smallest top-2 gap: its greedy tokens are not near-ties
 CACHE_REPO = "me/qwen36-compile-cache"
-# How each of our runs decodes, and the graphs it must run (prefill_chunk always): the one-row step for one
-# row.
-OURS = {"cpu bf16, batched": ("decode_step",), "cpu bf16, one row at a time": ("decode_row",)}
+# How each of our runs decodes, and the graphs it must run (prefill_chunk always): decode_step, one row padded
+# to two.
+OURS = {"cpu bf16, batched": ("decode_step",), "cpu bf16, one row at a time": ("decode_step",)}
 
 
 class CountingGraph:
@@ -124,6 +125,33 @@ def test_bf16_cpu_backend_within_documented_tolerance(bf16, ours: str, reference
     assert measured["max_logit_diff"] <= LOGITS_ATOL[reference]
 
 
+def test_a_rows_bf16_logits_are_the_same_alone_and_in_a_batch(bf16) -> None:
+    """Batch invariance, bitwise: generate() on one row at a time and on the three rows together gives each
+    row the same tokens and the same logits (every decode runs the same graphs, one row padded to two)."""
+    (tokens, logits), (alone_tokens, alone_logits) = (bf16["results"][name] for name in OURS)
+    assert torch.equal(tokens, alone_tokens)
+    assert torch.equal(logits, alone_logits)
+
+
+def test_engine_bf16_logprobs_are_the_same_alone_and_in_company(bf16) -> None:
+    """Continuous batching: requests of different lengths share decode steps, the batch shrinks as they
+    finish (down to one row); each request's tokens and log-probabilities equal, bitwise, its run alone."""
+    model = bf16["model"]
+    input_ids, mask, _ = pattern_prompts()
+    prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask, strict=True)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 8, 16)]
+
+    def run(indices: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+        engine = model.create_engine()
+        ids = {i: engine.add_request(prompts[i], params[i]) for i in indices}
+        out = engine.run()
+        return {i: (out[r].output_ids, out[r].output_logprobs) for i, r in ids.items()}
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        assert run([i])[i] == together[i]
+
+
 def test_bf16_saved_artifact_reloads_identically(bf16, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(regions, "CompilePool", lambda *a, **k: pytest.fail("compiled at load"))
     saved = bf16["root"] / "saved"
@@ -142,9 +170,9 @@ def test_export_uploaded_its_compilation_to_the_hub_cache_repo(bf16) -> None:
     upload = calls["upload_folder"]
     key = upload["path_in_repo"]
     assert upload["repo_id"] == CACHE_REPO
-    steps, kinds = {"prefill_chunk", "decode_row", "decode_step"}, ("linear_attention", "full_attention")
+    steps, kinds = {"prefill_chunk", "decode_step"}, ("linear_attention", "full_attention")
     graphs = {f"{step}.{kind}.pt2" for step in steps for kind in kinds}
-    heads = {f"{step}.head.pt2" for step in steps - {"prefill_chunk"}}
+    heads = {f"{step}.head.pt2" for step in steps}
     assert {*graphs, *heads, ENTRY_NAME} <= set(upload["files"])
     local: Path = bf16["root"] / "compile_cache" / key
     assert sorted(p.name for p in (hub.root / key).iterdir()) == sorted(p.name for p in local.iterdir())

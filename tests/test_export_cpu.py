@@ -87,11 +87,11 @@ def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> 
     assert {"README.md", artifact.MANIFEST_NAME, "model.safetensors", "neuron_config.json"} <= {
         p.name for p in saved.iterdir()
     }
-    # One graph per layer kind for each step, and the heads of the decode steps (prefill runs decode_row's).
+    # One graph per layer kind for each step, and each step's head.
     steps = graphs_to_compile(model.neuron_config)
-    assert steps == ["prefill_chunk", "decode_row", "decode_step"]  # no speculative decoding
+    assert steps == ["prefill_chunk", "decode_step"]  # no speculative decoding
     layers = {f"{step}.{kind}.pt2" for step in steps for kind in ("linear_attention", "full_attention")}
-    heads = {"decode_row.head.pt2", "decode_step.head.pt2"}
+    heads = {"prefill_chunk.head.pt2", "decode_step.head.pt2"}
     assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= layers | heads
     script = f"""
 import json, sys
@@ -295,11 +295,12 @@ def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilatio
 
 
 def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
-    """One row runs the one-row graph (decode_row), two rows the batched one (decode_step, whose batch is
-    dynamic), each with the caller's rows only; same tokens as eager."""
+    """Every decode runs decode_step (its batch here the static 2 rows), one row padded with a dummy row
+    in the scratch slot (so a row's decode is the same computation alone or in company); same tokens as
+    eager."""
     checkpoint, _, _, model, _ = exported
     graphs = dict(model.backend.graphs)
-    assert set(graphs) == {"prefill_chunk", "decode_row", "decode_step"}
+    assert set(graphs) == {"prefill_chunk", "decode_step"}
     seen: list[tuple[str, int]] = []
 
     def recording(graph: str):
@@ -318,7 +319,7 @@ def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
             seen.clear()
             ours = model.generate(prompt, **kwargs)
             decoded = {step for step in seen if step[0] != "prefill_chunk"}
-            assert decoded == ({("decode_row", 1)} if len(lengths) == 1 else {("decode_step", 2)})
+            assert decoded == {("decode_step", 2)}
             assert torch.equal(ours, eager.generate(prompt, **kwargs))
     finally:
         model.backend.graphs = graphs
@@ -356,7 +357,7 @@ def test_attention_reads_only_the_blocks_in_use(
         model.backend.graphs = graphs
     # prefill: 7 chunks of 16 (the last of 4) within blocks 0-1; decode: positions 100..127 in blocks 0-1,
     # then 128..138 reach block 2
-    expected = [("prefill_chunk", 2)] * 7 + [("decode_row", 2)] * 28 + [("decode_row", 3)] * 11
+    expected = [("prefill_chunk", 2)] * 7 + [("decode_step", 2)] * 28 + [("decode_step", 3)] * 11
     assert narrow_widths == expected
     assert {width for _, width in widths[len(narrow_widths) :]} == {3}  # the compiled sequence_length
     assert torch.equal(narrow.sequences, full.sequences)
@@ -383,8 +384,8 @@ def test_a_graph_refuses_a_call_outside_its_compiled_shapes(exported, no_compila
 
 def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) -> None:
     """Continuous batching on the compiled graphs: a request takes the slot another one freed, so decode
-    steps pass slots out of order ([1, 0]) and one-row steps run slot 1 alone; every request gets
-    the tokens of its solo run on eager, their log-probabilities within 1e-4."""
+    steps pass slots out of order ([1, 0]) and slot 1 decodes alone (padded with the scratch slot, 2); every
+    request gets the tokens of its solo run on eager, their log-probabilities within 1e-4."""
     checkpoint, _, _, model, _ = exported
     eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
     graphs = dict(model.backend.graphs)
@@ -410,7 +411,8 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
         engine.run()
     finally:
         model.backend.graphs = graphs
-    assert [1, 0] in slots_seen and [1] in slots_seen, slots_seen
+    scratch = model.new_cache().scratch_slot
+    assert [1, 0] in slots_seen and [1, scratch] in slots_seen, slots_seen
     for request, prompt, setting in zip(held, prompts, params, strict=True):
         alone = eager.create_engine()
         request_id = alone.add_request(prompt, setting)

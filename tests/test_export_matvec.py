@@ -198,40 +198,55 @@ def test_widened_linear_is_the_float32_product_rounded_once() -> None:
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4 * exact.abs().max()).all()
 
 
-def test_one_row_runs_decode_row_and_more_rows_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("graphs", [("decode_row",), ("decode_step",)])
+def test_decode_runs_the_compiled_step_and_refuses_too_few_rows(
+    monkeypatch: pytest.MonkeyPatch, graphs: tuple[str, ...]
+) -> None:
     from optimum_qwen36.exporters import backends
 
     monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
     backend.prefill_takes_any_tokens = False
     backend.device = "cpu"
+    backend.min_decode_rows = 1 if "decode_row" in graphs else 2
     ran: list[tuple[str, int]] = []
     backend.graphs = {
         graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)
-        for graph in ("prefill_chunk", "decode_row", "decode_step")
+        for graph in ("prefill_chunk", *graphs)
     }
-    for rows in (1, 2):
+
+    def decode(rows: int) -> None:
         backend.decode_step(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
-    assert ran == [("decode_row", 1), ("decode_step", 2)]
+
+    if graphs == ("decode_row",):  # a batch of one row
+        decode(1)
+        assert ran == [("decode_row", 1)]
+    else:
+        with pytest.raises(ValueError, match="takes 2 rows or more, got 1: pad the call"):
+            decode(1)
+        decode(2)
+        assert ran == [("decode_step", 2)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("batch_size", [1, 2, 4])
-def test_decode_row_is_always_compiled_and_decode_step_above_one_row(dtype: str, batch_size: int) -> None:
-    """Inductor compiles a dynamic batch for 2 rows and up, so one row has graphs of its own."""
+def test_one_decode_step_is_compiled(dtype: str, batch_size: int) -> None:
+    """decode_row for a batch of one row, else decode_step alone (one row runs padded to two, so a row's
+    decode does not depend on what else decodes with it)."""
     config = Qwen36NeuronConfig(backend="cpu", batch_size=batch_size, sequence_length=512, dtype=dtype)
-    graphs = graphs_to_compile(config)
-    assert "decode_row" in graphs and ("decode_step" in graphs) == (batch_size > 1)
+    decode = {graph for graph in graphs_to_compile(config) if graph.startswith("decode")}
+    assert decode == ({"decode_row"} if batch_size == 1 else {"decode_step"})
 
 
 def test_a_compiled_directory_without_its_graphs_is_refused(tiny_checkpoint, tmp_path) -> None:
     checkpoint, _ = tiny_checkpoint()
     model = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager")
-    (tmp_path / "decode_row.head.pt2").write_bytes(b"")
+    (tmp_path / "decode_step.head.pt2").write_bytes(b"")
     message = (
-        r"found: decode_row\.head\.pt2; needed: prefill_chunk\.linear_attention\.pt2, "
-        r"prefill_chunk\.full_attention\.pt2, decode_row\.head\.pt2, decode_row\.linear_attention\.pt2, "
-        r"decode_row\.full_attention\.pt2 and"
+        r"found: decode_step\.head\.pt2; needed: prefill_chunk\.linear_attention\.pt2, "
+        r"prefill_chunk\.full_attention\.pt2, prefill_chunk\.head\.pt2, "
+        r"decode_step\.linear_attention\.pt2, decode_step\.full_attention\.pt2, decode_step\.head\.pt2, "
+        r"or the decode_row ones"
     )
     with pytest.raises(FileNotFoundError, match=message):
         AOTIBackend(tmp_path, model.model, "cpu")

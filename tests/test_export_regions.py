@@ -27,7 +27,7 @@ def test_layers_of_one_type_share_one_region() -> None:
     assert step_files(model, "prefill_chunk") == [
         f"prefill_chunk.{LINEAR}.pt2",
         f"prefill_chunk.{FULL}.pt2",
-        "decode_row.head.pt2",
+        "prefill_chunk.head.pt2",
     ]
     assert step_files(model, "decode_step")[-1] == "decode_step.head.pt2"
     gdn = kinds[0].tensor_names

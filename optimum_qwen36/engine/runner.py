@@ -2,8 +2,9 @@
 (the engine's steps, and `generate()`'s rows), so the step arguments are built in one place.
 
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
-- `decode`: one token for each of some slots; a backend with a static batch gets the rows beyond the
-  caller's as dummy tokens in the cache's scratch slot and the null block, and their logits are dropped.
+- `decode`: one token for each of some slots; a backend with a static batch (or fewer rows than its
+  `min_decode_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
+  null block, and their logits are dropped.
 - `prefill_positions`: `prefill` with the logits after every token of the chunk (prompt log-probabilities).
 - MTP speculative decoding: `prefill` with the chunk's hidden states, `verify` (several tokens per slot,
   the GDN state after each kept apart until `keep_verified_state`), and `draft` (the MTP layer).
@@ -69,7 +70,9 @@ class ModelRunner:
         """Feed tokens[i] at positions[i] to the sequence in slots[i] (distinct), whose blocks are
         block_tables[i]; returns the logits [len(tokens), vocab]."""
         batch = len(tokens)
-        rows = batch if self.backend.decodes_any_batch else self.cache.batch_size
+        rows = max(
+            batch if self.backend.decodes_any_batch else self.cache.batch_size, self.backend.min_decode_rows
+        )
         input_ids = torch.zeros((rows, 1), dtype=torch.long)
         input_ids[:batch, 0] = tokens
         all_positions = torch.zeros(rows, dtype=torch.long)

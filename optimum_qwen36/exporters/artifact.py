@@ -20,8 +20,8 @@ MANIFEST_NAME = "export_manifest.json"
 # 3: cpu/cuda steps are compiled by regions, <step>.<region>.pt2 (format 2 has one graph per step).
 # 4: prefill_chunk graphs take 2..chunk tokens, a chunk's valid ones (format 3's take a whole padded chunk).
 # 5: cpu/cuda exports record what their graphs take (compiled/step_shapes.json), decided on the exporting CPU;
-#    one row always decodes with decode_row graphs (format 4's bf16 exports ran one row through decode_step
-#    graphs that Inductor had compiled for 2..batch rows).
+#    prefill has a head graph of its own and, above a batch of one, decode_step decodes every row (format 4's
+#    bf16 exports ran one row through decode_step graphs that Inductor had compiled for 2..batch rows only).
 MANIFEST_FORMAT = 5
 # SIMD extensions compiled CPU code may use. Inductor builds with -march=native, so a graph compiled on one
 # CPU may execute any of the builder's extensions: the loading CPU must have them all.

@@ -1,9 +1,9 @@
 """Compiled backends for the model's two static-shape steps, and the factory `NeuronModelForCausalLM` uses.
 
-- `cpu` / `cuda`: AOTInductor packages for three steps, `prefill_chunk`, `decode_row` (one-row decode steps)
-  and, when the exported batch is larger, `decode_step` (2..batch rows); each step is compiled by regions
-  (`compiled/<step>.<region>.pt2`: one graph per decoder-layer kind and the head, regions.py) that take the
-  model's own tensors (memory-mapped from safetensors).
+- `cpu` / `cuda`: AOTInductor packages for two steps, `prefill_chunk` and `decode_step` (2..batch rows;
+  one row runs padded to two), or `decode_row` where the exported batch is one row; each step is compiled
+  by regions (`compiled/<step>.<region>.pt2`: one graph per decoder-layer kind and the head, regions.py)
+  that take the model's own tensors (memory-mapped from safetensors).
 - `neuron`: see `exporters/neuron.py`.
 """
 
@@ -71,12 +71,15 @@ CacheFactory = Callable[[str], Qwen36HybridCache]
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
-    """decode_step only when the exported batch has more than one row (one row runs decode_row: a compiled
-    dynamic batch starts at 2 rows, `regions._dims`)."""
+    """decode_row for a batch of one row, else decode_step only: a row's decode is then the same
+    computation whatever else decodes with it (batch invariance: decode_row's graphs, compiled apart, may
+    round differently), and one row runs padded to two (`min_decode_rows`; a compiled dynamic batch starts at
+    2 rows, `regions._dims`)."""
     speculative = neuron_config.num_speculative_tokens > 0
-    one_row = ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
-    batched = ["decode_step", *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
-    return [*one_row, *batched] if neuron_config.batch_size > 1 else one_row
+    if neuron_config.batch_size == 1:
+        return ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
+    row_steps = SPECULATIVE_ROW_STEPS if speculative else ()
+    return ["prefill_chunk", "decode_step", *row_steps, *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -104,15 +107,17 @@ class AOTIBackend:
             return all((files_dir / f).is_file() for f in step_files(model, step))
 
         present = [step for step in STEPS if complete(step)]
-        if not {"prefill_chunk", "decode_row"} <= set(present):
-            files = step_files(model, "prefill_chunk") + step_files(model, "decode_row")
+        if "prefill_chunk" not in present or not {"decode_row", "decode_step"} & set(present):
+            files = step_files(model, "prefill_chunk") + step_files(model, "decode_step")
             needed = ", ".join(dict.fromkeys(files))
             found = sorted(path.name for path in files_dir.glob("*.pt2"))
             raise FileNotFoundError(
                 f"{files_dir} lacks compiled graphs of this model (found: {', '.join(found) or 'none'}; "
-                f"needed: {needed} and, for a batch above 1, the decode_step ones). Re-export the model with "
+                f"needed: {needed}, or the decode_row ones for a batch of one row). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
+        # A batch above one row decodes every row with decode_step: a single row is padded to two.
+        self.min_decode_rows = 1 if "decode_row" in present else 2
 
         if model.mtp is not None and not set(SPECULATIVE_ROW_STEPS) <= set(present):
             needed = ", ".join(f for step in SPECULATIVE_ROW_STEPS for f in step_files(model, step))
@@ -123,7 +128,7 @@ class AOTIBackend:
         self.model = model
 
         @functools.cache
-        def load(file: str) -> CompiledGraph:  # prefill_chunk shares the one-row step's head graph
+        def load(file: str) -> CompiledGraph:
             prefix = f"{file}/"
             own = {name.removeprefix(prefix): t for name, t in extra.items() if name.startswith(prefix)}
             return CompiledGraph(files_dir / file, own, device)
@@ -145,7 +150,12 @@ class AOTIBackend:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run("decode_row" if args[0].shape[0] == 1 else "decode_step", args)
+        rows = args[0].shape[0]
+        if rows < self.min_decode_rows:
+            raise ValueError(
+                f"decode_step takes {self.min_decode_rows} rows or more, got {rows}: pad the call"
+            )
+        return self._run("decode_row" if rows == 1 else "decode_step", args)
 
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 - one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
   serves every layer of its kind; the caches are updated in place as in a whole-model graph;
 - the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
-  last valid token (`model.last_valid`, eager), so prefill runs decode_row's head graph.
+  last valid token (`model.last_valid`, eager): prefill's head graph takes that one row.
 
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
@@ -52,9 +52,9 @@ PREFILL_ONLY_FIELDS = ("valid", "num_valid")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# The steps with a head graph of their own (prefill's one-row logits run decode_row's: `head_step`),
-# and what it computes.
+# What each step's head graph computes (prefill's: the logits of its last valid token, one row).
 HEAD_FUNCTION_OF = {
+    "prefill_chunk": "decode_logits",
     "decode_row": "decode_logits",
     "decode_step": "decode_logits",
     "verify_row": "verify_logits",
@@ -79,11 +79,6 @@ class StepShapes:
     2..chunk tokens (`_dims`)."""
 
     any_prefill_tokens: bool = False
-
-
-def head_step(step: str) -> str:
-    """Whose head graph `step` runs: prefill's is decode_row's (one row)."""
-    return "decode_row" if step == "prefill_chunk" else step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +138,11 @@ def region_file(step: str, region: str) -> str:
 
 
 def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
-    """The packages a step runs (prefill_chunk's head is decode_row's)."""
+    """The packages a step runs: its layer kinds' and its head's (or its MTP graph)."""
     if step in MTP_STEPS:
         return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
-    return [*layers, region_file(head_step(step), HEAD)]
+    return [*layers, region_file(step, HEAD)]
 
 
 def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
@@ -353,18 +348,20 @@ def export_step(
     step: str,
     step_args: tuple[torch.Tensor, ...],
     out_dir: Path,
-    tracing_mode: TorchFunctionMode | None = None,
+    tracing_mode_of: Callable[[str], TorchFunctionMode | None] = lambda step: None,
     shapes: StepShapes = StepShapes(),
 ) -> Iterator[tuple[torch.export.ExportedProgram, Path]]:
     """Export the regions of `step` with its example arguments, one at a time, each with its package path
-    out_dir/<step>.<region>.pt2 (see `compile_regions`; `_dims` for `shapes`)."""
+    out_dir/<step>.<region>.pt2 (see `compile_regions`; `_dims` for `shapes`). Prefill's head, one row, is
+    traced as decode_row's would be (its linears as one-row products)."""
     if step in MTP_STEPS:
         regions = [_mtp_region_args(model, step, step_args)]
     else:
         regions = _layer_and_head_region_args(model, step, step_args, shapes)
     for region, module, args, dynamic in regions:
         start = time.perf_counter()
-        program = export_method(module, "forward", args, dynamic_shapes=dynamic, tracing_mode=tracing_mode)
+        mode = tracing_mode_of("decode_row" if (step, region) == ("prefill_chunk", HEAD) else step)
+        program = export_method(module, "forward", args, dynamic_shapes=dynamic, tracing_mode=mode)
         logger.info("Exported %s in %.1f s", region_file(step, region), time.perf_counter() - start)
         yield program, out_dir / region_file(step, region)
 
@@ -384,7 +381,7 @@ def compile_regions(
     paths: list[Path] = []
     with CompilePool(default_workers(len(files)), total=len(files)) as pool:
         for step, args in steps.items():
-            exported = export_step(model, step, args, out_dir, tracing_mode_of(step), shapes)
+            exported = export_step(model, step, args, out_dir, tracing_mode_of, shapes)
             for program, path in exported:
                 pool.submit(program, path)
                 paths.append(path)
@@ -410,8 +407,11 @@ def _layer_and_head_region_args(
         dynamic = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
         regions.append((kind.name, layer_region(model, kind, step), args, dynamic))
     if step in HEAD_FUNCTION_OF:
-        head_args = (hidden, *model_weights(model, HEAD_WEIGHTS))
-        regions.append((HEAD, head_region(model, step), head_args, [dims["hidden"], None, None]))
+        head_hidden, head_dim = hidden, dims["hidden"]
+        if step == "prefill_chunk":  # the last valid token's row only
+            head_hidden, head_dim = model.last_valid(hidden, inputs.num_valid), None
+        head_args = (head_hidden, *model_weights(model, HEAD_WEIGHTS))
+        regions.append((HEAD, head_region(model, step), head_args, [head_dim, None, None]))
     return regions
 
 
@@ -447,5 +447,5 @@ def load_step(
     if step in MTP_STEPS:
         return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    head = load(region_file(head_step(step), HEAD))
+    head = load(region_file(step, HEAD))
     return RegionalStep(model, step, layer_graphs, head, device)
