@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,11 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if _WORKERS > 1:  # the test workers already take the cores: compile every graph in its test's process
     os.environ.setdefault("OPTIMUM_QWEN36_COMPILE_WORKERS", "0")
+    # One Inductor cache per worker: two processes compiling the same graph at once write the same cache
+    # directory, and one can package the other's half-written files.
+    _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    _worker_cache = Path(tempfile.gettempdir()) / f"torchinductor-{_worker}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_worker_cache))
 
 TINY_TEXT_CONFIG: dict[str, Any] = dict(
     vocab_size=512,

@@ -10,7 +10,8 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
 - one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
   serves every layer of its kind; the caches are updated in place as in a whole-model graph;
 - the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
-  last valid token (`model.last_valid`, eager): prefill's head graph takes that one row.
+  last valid token (`model.last_valid`, eager): prefill's head graph takes that one row, and decode_row
+  (a batch-1 export's decode) runs the same graph (`head_step`).
 
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
@@ -52,10 +53,10 @@ PREFILL_ONLY_FIELDS = ("valid", "num_valid")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
-# What each step's head graph computes (prefill's: the logits of its last valid token, one row).
+# The steps with a head graph of their own, and what it computes (prefill's: the logits of its last valid
+# token, one row).
 HEAD_FUNCTION_OF = {
     "prefill_chunk": "decode_logits",
-    "decode_row": "decode_logits",
     "decode_step": "decode_logits",
     "verify_row": "verify_logits",
     "verify_step": "verify_logits",
@@ -79,6 +80,12 @@ class StepShapes:
     2..chunk tokens (`_dims`)."""
 
     any_prefill_tokens: bool = False
+
+
+def head_step(step: str) -> str:
+    """Whose head graph `step` runs: decode_row's is prefill's, the same one-row program (compiled once: two
+    processes compiling one program at once would race on Inductor's cache)."""
+    return "prefill_chunk" if step == "decode_row" else step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +149,7 @@ def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
     if step in MTP_STEPS:
         return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
-    return [*layers, region_file(step, HEAD)]
+    return [*layers, region_file(head_step(step), HEAD)]
 
 
 def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
@@ -447,5 +454,5 @@ def load_step(
     if step in MTP_STEPS:
         return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    head = load(region_file(step, HEAD))
+    head = load(region_file(head_step(step), HEAD))
     return RegionalStep(model, step, layer_graphs, head, device)
