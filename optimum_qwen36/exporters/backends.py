@@ -43,7 +43,14 @@ from ..ops.native import (
     load_native_ops,
 )
 from .aoti import CompiledGraph
-from .base import EagerBackend, StepBackend, blocks_in_use, example_step_args, rows_blocks_in_use
+from .base import (
+    MIN_BATCH_ROWS,
+    EagerBackend,
+    StepBackend,
+    blocks_in_use,
+    example_step_args,
+    rows_blocks_in_use,
+)
 from .compile_cache import CompileCache, compile_key
 from .matvec import DecodeLinears, WidenedLinears
 from .regions import StepShapes, compile_regions, load_step, step_files
@@ -76,9 +83,9 @@ def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
     round differently), and one row runs padded to two (`min_decode_rows`; a compiled dynamic batch starts at
     2 rows, `regions._dims`)."""
     speculative = neuron_config.num_speculative_tokens > 0
-    if neuron_config.batch_size == 1:
-        return ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
     row_steps = SPECULATIVE_ROW_STEPS if speculative else ()
+    if neuron_config.batch_size == 1:
+        return ["prefill_chunk", "decode_row", *row_steps]
     return ["prefill_chunk", "decode_step", *row_steps, *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
 
 
@@ -116,8 +123,8 @@ class AOTIBackend:
                 f"needed: {needed}, or the decode_row ones for a batch of one row). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
-        # A batch above one row decodes every row with decode_step: a single row is padded to two.
-        self.min_decode_rows = 1 if "decode_row" in present else 2
+        # A batch above one row decodes every row with decode_step: fewer rows are padded.
+        self.min_decode_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
 
         if model.mtp is not None and not set(SPECULATIVE_ROW_STEPS) <= set(present):
             needed = ", ".join(f for step in SPECULATIVE_ROW_STEPS for f in step_files(model, step))

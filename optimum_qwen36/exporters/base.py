@@ -43,11 +43,12 @@ class StepBackend(Protocol):
         """Write what a saved model needs to run this backend without compiling (under directory)."""
 
 
-# The fewest tokens a prefill graph takes and the fewest block-table columns a step passes: Inductor
-# compiles dynamic sizes for 2 and up (`regions._dims`), so a one-token chunk runs padded to 2 tokens and
-# a one-block table passes a second (masked-out) column.
+# The fewest tokens a prefill graph takes, block-table columns a step passes and rows a batched step takes:
+# Inductor compiles dynamic sizes for 2 and up (`regions._dims`), so a one-token chunk runs padded to 2
+# tokens, a one-block table passes a second (masked-out) column, and one row decodes padded to two.
 MIN_PREFILL_TOKENS = 2
 MIN_TABLE_BLOCKS = 2
+MIN_BATCH_ROWS = 2
 
 
 def blocks_in_use(

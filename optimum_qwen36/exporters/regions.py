@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
 from .aoti import CompiledGraph, export_method
-from .base import MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
+from .base import MIN_BATCH_ROWS, MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
 from .compile_workers import CompilePool, default_workers
 
 logger = logging.getLogger(__name__)
@@ -310,8 +310,8 @@ def _dims(
     - the number of KV blocks, so the same graphs serve any block pool (e.g. prefix caching's larger one);
     - the block table width, 2..max_blocks (`base.MIN_TABLE_BLOCKS`), so attention reads only the blocks
       in use (`blocks_in_use`), not the whole compiled sequence_length;
-    - the batched steps' batch, 2..max_rows rows, so only the active rows are computed (one row runs the
-      *_row step);
+    - the batched steps' batch, 2..max_rows rows (`base.MIN_BATCH_ROWS`), so only the active rows are
+      computed;
     - with `shapes.any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a
       chunk computes its valid tokens only (`blocks_in_use`); and the MTP step's.
     No dynamic dimension starts at 1: Inductor compiles a dynamic size for 2 and up (a size of 1 would be
@@ -321,8 +321,8 @@ def _dims(
     blocks = torch.export.Dim("num_kv_blocks", min=2)
     wide = max_blocks > MIN_TABLE_BLOCKS
     width = torch.export.Dim("blocks_per_row", min=MIN_TABLE_BLOCKS, max=max_blocks) if wide else None
-    batched = step in BATCHED_STEPS and max_rows > 2
-    batch = torch.export.Dim("batch", min=2, max=max_rows) if batched else None
+    batched = step in BATCHED_STEPS and max_rows > MIN_BATCH_ROWS
+    batch = torch.export.Dim("batch", min=MIN_BATCH_ROWS, max=max_rows) if batched else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
     many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and shapes.any_prefill_tokens)
     tokens = (
