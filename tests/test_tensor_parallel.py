@@ -253,6 +253,7 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(
             f"""
+            import gc
             import torch
             from optimum_qwen36 import NeuronQwen36ForCausalLM
             model = NeuronQwen36ForCausalLM.from_pretrained(
@@ -261,6 +262,11 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
             )
             tokens = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False)
             print("TOKENS", tokens.tolist())
+            del model
+            gc.collect()
+            # the group it initialized is destroyed with the model (left to interpreter teardown, gloo can
+            # abort the process)
+            print("GROUP DESTROYED", not torch.distributed.is_initialized())
             """
         )
     )
@@ -269,3 +275,4 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     expected = one.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False).tolist()
     assert f"TOKENS {expected}" in result.stdout
+    assert "GROUP DESTROYED True" in result.stdout

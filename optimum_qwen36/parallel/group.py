@@ -73,6 +73,7 @@ class TensorParallelGroup:
         process_group: Any = None,
         workers: list[subprocess.Popen] | None = None,
         secret: bytes | None = None,
+        owns_default_group: bool = False,
     ) -> None:
         self.rank = rank
         self.degree = degree
@@ -83,6 +84,9 @@ class TensorParallelGroup:
         self.process_group = process_group
         self.workers = workers or []  # the driver's spawned worker processes (none under torchrun)
         self.dead: str | None = None  # why the group cannot run any more
+        # Under torchrun, whether this group initialized torch.distributed's default group (and so must
+        # destroy it: a gloo group left to interpreter teardown can abort the process, pytorch #190489).
+        self.owns_default_group = owns_default_group
 
     @property
     def is_driver(self) -> bool:
@@ -213,7 +217,8 @@ class TensorParallelGroup:
         )
 
     def shutdown(self) -> None:
-        """Stop the spawned workers (a torchrun job's workers stop when they read the `close` call)."""
+        """Stop the spawned workers (a torchrun job's workers stop when they read the `close` call), and
+        destroy the default process group if this group initialized it."""
         for process in self.workers:
             if process.poll() is None:
                 process.terminate()
@@ -224,6 +229,9 @@ class TensorParallelGroup:
                 process.kill()
                 process.wait()
         self.process_group = None
+        if self.owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_default_group = False
 
 
 def _free_port() -> int:
@@ -317,14 +325,17 @@ def _join_torchrun(degree: int, job: RankJob, loop: WorkerLoop) -> tuple[TensorP
             f"tp_degree={degree} but torchrun started {world} processes (WORLD_SIZE): launch it with "
             f"--nproc-per-node / --nnodes giving {degree} processes in all."
         )
-    if not dist.is_initialized():
+    initialize = not dist.is_initialized()  # a group the user initialized is the user's to destroy
+    if initialize:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
-    group = TensorParallelGroup(rank, degree, store, process_group=dist.group.WORLD)
+    group = TensorParallelGroup(
+        rank, degree, store, process_group=dist.group.WORLD, owns_default_group=initialize
+    )
     model = job(group)
     if rank == 0:
         return group, model
     loop(model, group)
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # this process ends here
     raise SystemExit(0)
