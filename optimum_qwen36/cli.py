@@ -33,7 +33,7 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=SUPPORTED_BACKENDS,
         default=None,
-        help="what to compile for (default: cuda with a GPU, else cpu; eager = no compilation)",
+        help="what to compile for (default: cpu; cuda does not work yet: see the README; eager: uncompiled)",
     )
     parser.add_argument(
         "--batch-size",

@@ -39,7 +39,7 @@ class CountingBackend:
         self.name = backend.name
         self.device = backend.device
         self.decodes_any_batch = backend.decodes_any_batch
-        self.min_decode_rows = backend.min_decode_rows
+        self.min_step_rows = backend.min_step_rows
         self.prefill_tokens = 0
         self.decode_steps = 0
 

@@ -82,6 +82,23 @@ def test_compiled_backend_equals_eager_and_transformers(exported) -> None:
     assert torch.equal(ours.sequences, hf)
 
 
+@pytest.mark.skipif(BACKEND != "cpu", reason="on cuda the twins are what every other test here runs")
+def test_graphs_of_the_pytorch_twins_equal_transformers(exported, tmp_path: Path, monkeypatch) -> None:
+    """The graphs the cuda backend compiles (attention, GDN and linears as their PyTorch twins, whole prefill
+    chunks), compiled and run here on the CPU."""
+    checkpoint, reference, _, _, _ = exported
+    monkeypatch.setattr(backends, "uses_cpu_kernels", lambda device_type: False)
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="cpu", compile_cache_dir=tmp_path, **SETTINGS
+    )
+    assert not model.backend.prefill_takes_any_tokens
+    input_ids, mask = left_padded_prompts(PROMPT_LENGTHS, seed=1)
+    hf = reference.generate(
+        input_ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(_greedy(model), hf)
+
+
 def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> None:
     _, _, _, model, saved = exported
     assert {"README.md", artifact.MANIFEST_NAME, "model.safetensors", "neuron_config.json"} <= {

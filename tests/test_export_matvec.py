@@ -208,7 +208,7 @@ def test_decode_runs_the_compiled_step_and_refuses_too_few_rows(
     backend = AOTIBackend.__new__(AOTIBackend)
     backend.prefill_takes_any_tokens = False
     backend.device = "cpu"
-    backend.min_decode_rows = 1 if "decode_row" in graphs else 2
+    backend.min_step_rows = 1 if "decode_row" in graphs else 2
     ran: list[tuple[str, int]] = []
     backend.graphs = {
         graph: lambda *args, graph=graph: ran.append((graph, args[0].shape[0])) or torch.zeros(1)

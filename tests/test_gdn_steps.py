@@ -12,14 +12,18 @@ from optimum_qwen36.ops.gdn import (
     gdn_decode_step_torch,
     gdn_prefill_chunk_native,
     gdn_prefill_chunk_torch,
+    gdn_verify_step_native,
+    gdn_verify_step_torch,
 )
 from optimum_qwen36.ops.native import load_native_ops
 
 STEPS = {"torch": gdn_decode_step_torch}
 CHUNKS = {"torch": gdn_prefill_chunk_torch}
+VERIFIES = {"torch": gdn_verify_step_torch}
 if load_native_ops():
     STEPS["native"] = gdn_decode_step_native
     CHUNKS["native"] = gdn_prefill_chunk_native
+    VERIFIES["native"] = gdn_verify_step_native
 
 
 def _step_inputs(shape: tuple[int, int, int, int, int], dtype: torch.dtype, strong_decay: bool, seed: int):
@@ -81,6 +85,39 @@ def test_native_step_refuses_a_slot_outside_the_cache() -> None:
     args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
     with pytest.raises(RuntimeError, match="slot 7 out of range"):
         gdn_decode_step_native(*args, states, 0, torch.tensor([7]), 0.25)
+
+
+@pytest.mark.parametrize("name", list(VERIFIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_step_equals_decode_steps_and_leaves_the_slots_alone(name: str, dtype: torch.dtype) -> None:
+    """Three rows of 4 tokens each (a verify step of k = 3): the output and the state after each token are
+    those of 4 decode steps of the same form (bitwise: the same arithmetic), within float32 rounding of the
+    float64 reference; the slots' own states and every other speculative state are untouched."""
+    batch, tokens, k_heads, v_heads, k_dim, v_dim = 3, 4, 2, 6, 32, 48
+    inputs = make_gdn_inputs(
+        batch, tokens, k_heads, v_heads, k_dim, v_dim, dtype=dtype, seed=11, normalize_qk=False,
+        a_log_max=4.0, softplus_max=12.0,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(12)
+    states = torch.randn(3, 7, v_heads, k_dim, v_dim, generator=generator)
+    spec = torch.randn(3, 7, tokens, v_heads, k_dim, v_dim, generator=generator)
+    slots, layer = torch.tensor([5, 0, 2]), 1
+    cache, spec_cache = states.clone(), spec.clone()
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    o = VERIFIES[name](*args, cache, spec_cache, layer, slots, k_dim**-0.5)
+    assert o.shape == inputs["v"].shape and o.dtype == dtype
+    assert torch.equal(cache, states)
+    untouched = torch.ones(3, 7, dtype=torch.bool)
+    untouched[layer, slots] = False
+    assert torch.equal(spec_cache[untouched], spec[untouched])
+    stepped = states.clone()
+    for t in range(tokens):
+        o_t = STEPS[name](*(a[:, t] for a in args), stepped, layer, slots, k_dim**-0.5)
+        assert torch.equal(o[:, t], o_t)
+        assert torch.equal(spec_cache[layer, slots, t], stepped[layer, slots])
+    initial = states[layer, slots]
+    expected_o, _ = reference_gated_delta_rule(**inputs, initial_state=initial, use_qk_l2norm=True)
+    assert max_rel_error(o, expected_o) <= (1e-5 if dtype == torch.float32 else 2**-8)
 
 
 @pytest.mark.parametrize("name", list(CHUNKS))

@@ -16,6 +16,8 @@ from optimum_qwen36.ops.gdn import (
     gdn_decode_step_torch,
     gdn_prefill_chunk_native,
     gdn_prefill_chunk_torch,
+    gdn_verify_step_native,
+    gdn_verify_step_torch,
 )
 from optimum_qwen36.ops.native import load_native_ops
 
@@ -108,12 +110,16 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
     assert attention and all(m.paged_attention is paged_attention_torch for m in attention)
 
     args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
-    model.model.set_kernels(paged_attention_native, gdn_decode_step_native, gdn_prefill_chunk_native)
+    model.model.set_kernels(
+        paged_attention_native, gdn_decode_step_native, gdn_prefill_chunk_native, gdn_verify_step_native
+    )
     try:
         with torch.no_grad():
             program = torch.export.export(_MethodAsForward(model.model, "prefill_chunk"), args, strict=False)
     finally:
-        model.model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
+        model.model.set_kernels(
+            paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch, gdn_verify_step_torch
+        )
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)
     assert calls == len(attention)

@@ -354,16 +354,18 @@ def test_metrics_and_generate(checkpoint) -> None:
 
 
 @pytest.mark.slow
-def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tmp_path) -> None:
-    """The compiled verify and MTP graphs (cpu, batch 2: the one-row and the batched ones; a single MTP
-    position is padded), saved and reloaded: greedy tokens and log-probabilities of plain decoding."""
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tmp_path, batch_size) -> None:
+    """The compiled verify and MTP graphs (cpu: the one-row ones for a batch of one, else the batched ones,
+    one row padded to two; a single MTP position is padded), saved and reloaded: greedy tokens and
+    log-probabilities of plain decoding."""
     from optimum_qwen36 import NeuronQwen36ForCausalLM
 
     requests = mixed_requests()[:4]
     reference, _ = run_engine(plain, requests)
     for (prompt, _), out in zip(requests, reference, strict=True):
         oracle_drafts[tuple(prompt)] = out.output_ids
-    settings = {**SETTINGS, "batch_size": 2}
+    settings = {**SETTINGS, "batch_size": batch_size}
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="cpu", dtype="float32", num_speculative_tokens=2,
         prefix_caching=True, compile_cache_dir=tmp_path / "cache", **settings,
@@ -373,21 +375,24 @@ def test_cpu_backend_gives_the_plain_tokens(checkpoint, plain, oracle_drafts, tm
     assert engine.stats()["speculative"]["accepted_per_position"][1] > 0
     model.save_pretrained(tmp_path / "saved")
     reloaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
-    assert {p.name for p in (tmp_path / "saved" / "compiled").glob("*.pt2")} >= {
-        "verify_row.linear_attention.pt2", "verify_row.full_attention.pt2", "verify_row.head.pt2",
-        "verify_step.linear_attention.pt2", "verify_step.full_attention.pt2", "verify_step.head.pt2",
-        "mtp_row.mtp.pt2", "mtp_step.mtp.pt2",
-    }  # fmt: skip
+    rows = "row" if batch_size == 1 else "step"
+    assert {p.name for p in (tmp_path / "saved" / "compiled").glob("*verify_*.pt2")} == {
+        f"verify_{rows}.linear_attention.pt2",
+        f"verify_{rows}.full_attention.pt2",
+        f"verify_{rows}.head.pt2",
+    }
+    assert {p.name for p in (tmp_path / "saved" / "compiled").glob("mtp_*.pt2")} == {f"mtp_{rows}.mtp.pt2"}
     again, _ = run_engine(reloaded, requests[:2])
     assert_same_outputs(again, reference[:2])
 
 
 @pytest.mark.slow
 def test_cpu_bf16_speculative_graphs_give_the_decisive_models_tokens(oracle_drafts, tmp_path) -> None:
-    """The bf16 verify and MTP graphs (cpu, batch 3: the one-row and the batched ones) on the trained
-    pattern model, whose logits are decisive (bf16 rounding cannot flip a greedy token): each prompt's greedy
-    tokens, in one batch and alone, are the pattern's continuation (what transformers gives in fp32), with
-    drafts accepted and rejected along the way."""
+    """The bf16 verify and MTP graphs (cpu, batch 3, one row padded to two) on the trained pattern model,
+    whose logits are decisive (bf16 rounding cannot flip a greedy token): each prompt's greedy tokens, in one
+    batch and alone, are the pattern's continuation (what transformers gives in fp32), with drafts accepted
+    and rejected along the way; and batch invariance, bitwise: a request's log-probabilities alone equal
+    those it gets in company."""
     from pattern_model import NEW_TOKENS, pattern_prompts, train_pattern_checkpoint
     from pattern_model import SETTINGS as PATTERN_SETTINGS
 
@@ -413,5 +418,6 @@ def test_cpu_bf16_speculative_graphs_give_the_decisive_models_tokens(oracle_draf
     alone = [run_engine(model, [request])[0][0] for request in requests]
     for outputs in (together, alone):
         assert [output.output_ids for output in outputs] == expected.tolist()
+    assert [output.output_logprobs for output in alone] == [output.output_logprobs for output in together]
     accepted = engine.stats()["speculative"]["accepted_per_position"]
     assert accepted[0] > 0 and accepted[1] > 0

@@ -3,8 +3,8 @@
 
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
 - `decode`: one token for each of some slots; a backend with a static batch (or fewer rows than its
-  `min_decode_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
-  null block, and their logits are dropped.
+  `min_step_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
+  null block, and their logits are dropped. `verify` and `draft` are padded the same way.
 - `prefill_positions`: `prefill` with the logits after every token of the chunk (prompt log-probabilities).
 - MTP speculative decoding: `prefill` with the chunk's hidden states, `verify` (several tokens per slot,
   the GDN state after each kept apart until `keep_verified_state`), and `draft` (the MTP layer).
@@ -71,7 +71,7 @@ class ModelRunner:
         block_tables[i]; returns the logits [len(tokens), vocab]."""
         batch = len(tokens)
         rows = max(
-            batch if self.backend.decodes_any_batch else self.cache.batch_size, self.backend.min_decode_rows
+            batch if self.backend.decodes_any_batch else self.cache.batch_size, self.backend.min_step_rows
         )
         input_ids = torch.zeros((rows, 1), dtype=torch.long)
         input_ids[:batch, 0] = tokens
@@ -95,15 +95,18 @@ class ModelRunner:
         """Feed tokens[i, :num_valid[i]] ([B, k + 1], padded) at positions[i].. to the sequence in slots[i];
         the slots' GDN states are not changed (see `keep_verified_state`). Returns the logits after each
         token [B, k + 1, vocab] and the normed hidden states [B, k + 1, hidden]."""
-        return self.backend.verify_step(
-            tokens,
-            positions,
-            num_valid,
+        batch = len(tokens)
+        slots = self._padded_rows(slots, self.cache.scratch_slot)
+        logits, hidden = self.backend.verify_step(
+            self._padded_rows(tokens),
+            self._padded_rows(positions),
+            self._padded_rows(num_valid, 1),
             slots,
-            block_tables,
+            self._padded_rows(block_tables),
             *self.cache.step_tensors(),
             *self.cache.spec_tensors(),
         )
+        return logits[:batch], hidden[:batch]
 
     def draft(
         self,
@@ -116,10 +119,25 @@ class ModelRunner:
         """The MTP layer at positions[i].. (num_valid[i] of them) of row i: tokens [B, T] are the tokens after
         those positions, hidden [B, T, hidden] the hidden states at them. Returns the draft logits [B, vocab]
         and the MTP output [B, 1, hidden] at each row's last position."""
-        key_cache, value_cache = self.cache.key_cache, self.cache.value_cache
-        return self.backend.mtp_step(
-            tokens, hidden, positions, num_valid, block_tables, key_cache, value_cache
+        batch = len(tokens)
+        logits, out = self.backend.mtp_step(
+            self._padded_rows(tokens),
+            self._padded_rows(hidden),
+            self._padded_rows(positions),
+            self._padded_rows(num_valid, 1),
+            self._padded_rows(block_tables),
+            self.cache.key_cache,
+            self.cache.value_cache,
         )
+        return logits[:batch], out[:batch]
+
+    def _padded_rows(self, rows: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """`rows` with dummy rows of `fill` up to the backend's `min_step_rows` (a dummy row runs at position
+        0 of the null block, in the scratch slot)."""
+        missing = self.backend.min_step_rows - len(rows)
+        if missing <= 0:
+            return rows
+        return torch.cat([rows, rows.new_full((missing, *rows.shape[1:]), fill)])
 
     def verified_state(self, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv and recurrent states of `slot` after the verify step's token `position` (views)."""

@@ -34,6 +34,8 @@ from ..ops.gdn import (
     gdn_decode_step_torch,
     gdn_prefill_chunk_native,
     gdn_prefill_chunk_torch,
+    gdn_verify_step_native,
+    gdn_verify_step_torch,
     native_chunk_supported,
 )
 from ..ops.native import (
@@ -58,13 +60,12 @@ from .regions import StepShapes, compile_regions, load_step, step_files
 logger = logging.getLogger(__name__)
 
 COMPILED_DIR = "compiled"
-# The steps of the cpu/cuda backend. A one-row decode step has its own graphs. On cpu the linear layers of
-# every step but prefill are traced as matvec.DecodeLinears says: the native bf16 kernel, or, on one row, a
-# matrix-vector product; both stream the weights faster than ATen's matrix-matrix kernels (prefill's:
-# `linears_mode`).
+# The steps of the cpu/cuda backend. An export for one row has one-row steps (`*_row`), any other the
+# batched ones (2..batch rows). On cpu the linear layers of every step but prefill are traced as
+# matvec.DecodeLinears says: the native bf16 kernel, or, on one row, a matrix-vector product; both stream
+# the weights faster than ATen's matrix-matrix kernels (prefill's: `linears_mode`).
 STEPS = ("prefill_chunk", "decode_row", "decode_step", "verify_row", "verify_step", "mtp_row", "mtp_step")
-# With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps, for one
-# row and (with a batch above 1) for 2..batch rows.
+# With MTP speculative decoding (neuron_config.num_speculative_tokens): the verify and draft steps.
 SPECULATIVE_ROW_STEPS = ("verify_row", "mtp_row")
 SPECULATIVE_BATCHED_STEPS = ("verify_step", "mtp_step")
 # Tensors the graphs need that are not parameters or buffers of the model (lifted constants), if any.
@@ -78,15 +79,14 @@ CacheFactory = Callable[[str], Qwen36HybridCache]
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
-    """decode_row for a batch of one row, else decode_step only: a row's decode is then the same
-    computation whatever else decodes with it (batch invariance: decode_row's graphs, compiled apart, may
-    round differently), and one row runs padded to two (`min_decode_rows`; a compiled dynamic batch starts at
-    2 rows, `regions._dims`)."""
+    """The one-row steps for a batch of one row, else the batched ones only: a row's decode (verify, draft)
+    is then the same computation whatever else runs with it (batch invariance: one-row graphs, compiled
+    apart, may round differently), and one row runs padded to two (`min_step_rows`; a compiled dynamic
+    batch starts at 2 rows, `regions._dims`)."""
     speculative = neuron_config.num_speculative_tokens > 0
-    row_steps = SPECULATIVE_ROW_STEPS if speculative else ()
     if neuron_config.batch_size == 1:
-        return ["prefill_chunk", "decode_row", *row_steps]
-    return ["prefill_chunk", "decode_step", *row_steps, *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
+        return ["prefill_chunk", "decode_row", *(SPECULATIVE_ROW_STEPS if speculative else ())]
+    return ["prefill_chunk", "decode_step", *(SPECULATIVE_BATCHED_STEPS if speculative else ())]
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -123,11 +123,11 @@ class AOTIBackend:
                 f"needed: {needed}, or the decode_row ones for a batch of one row). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
-        # A batch above one row decodes every row with decode_step: fewer rows are padded.
-        self.min_decode_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
-
-        if model.mtp is not None and not set(SPECULATIVE_ROW_STEPS) <= set(present):
-            needed = ", ".join(f for step in SPECULATIVE_ROW_STEPS for f in step_files(model, step))
+        # A batch above one row runs every row in the batched steps: fewer rows are padded.
+        self.min_step_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
+        speculative_steps = SPECULATIVE_ROW_STEPS if self.min_step_rows == 1 else SPECULATIVE_BATCHED_STEPS
+        if model.mtp is not None and not set(speculative_steps) <= set(present):
+            needed = ", ".join(f for step in speculative_steps for f in step_files(model, step))
             raise FileNotFoundError(
                 f"{files_dir} lacks the verify and MTP graphs that num_speculative_tokens needs ({needed}). "
                 "Re-export the model with from_pretrained(..., export=True, num_speculative_tokens=...)."
@@ -156,13 +156,14 @@ class AOTIBackend:
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("prefill_chunk", args)
 
+    def _step_graph(self, step: str, rows: int) -> str:
+        """The graph of `step` (decode, verify or mtp) for a call with `rows` rows."""
+        if rows < self.min_step_rows:
+            raise ValueError(f"{step}_step takes {self.min_step_rows} rows or more, got {rows}: pad the call")
+        return f"{step}_row" if self.min_step_rows == 1 else f"{step}_step"
+
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        rows = args[0].shape[0]
-        if rows < self.min_decode_rows:
-            raise ValueError(
-                f"decode_step takes {self.min_decode_rows} rows or more, got {rows}: pad the call"
-            )
-        return self._run("decode_row" if rows == 1 else "decode_step", args)
+        return self._run(self._step_graph("decode", args[0].shape[0]), args)
 
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +181,7 @@ class AOTIBackend:
     def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, start_pos, num_valid, slots, block_tables, key_cache, *caches = args
         tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
-        graph = self.graphs["verify_row" if len(input_ids) == 1 else "verify_step"]
+        graph = self.graphs[self._step_graph("verify", len(input_ids))]
         out = graph(*self._on_device((input_ids, start_pos, num_valid, slots, tables, key_cache, *caches)))
         return tuple(o.cpu() for o in out)
 
@@ -190,7 +191,7 @@ class AOTIBackend:
         if input_ids.shape[1] == 1:  # the graphs take 2..chunk positions: one more, never real
             input_ids = torch.nn.functional.pad(input_ids, (0, 1))
             hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 1))
-        graph = self.graphs["mtp_row" if len(input_ids) == 1 else "mtp_step"]
+        graph = self.graphs[self._step_graph("mtp", len(input_ids))]
         out = graph(
             *self._on_device((input_ids, hidden, start_pos, num_valid, tables, key_cache, value_cache))
         )
@@ -235,10 +236,9 @@ class AOTIBackend:
             try:
                 examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
-                shapes = StepShapes(
-                    any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels=backend == "cpu")
-                )
-                _compile_graphs(model, graphs, staging, cpu_kernels=backend == "cpu", shapes=shapes)
+                cpu_kernels = uses_cpu_kernels(backend)
+                shapes = StepShapes(any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels))
+                _compile_graphs(model, graphs, staging, cpu_kernels=cpu_kernels, shapes=shapes)
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
                     shutil.rmtree(staging)
@@ -254,6 +254,12 @@ class AOTIBackend:
             # No cache to keep the files: they live as long as this backend.
             weakref.finalize(instance, shutil.rmtree, entry, True)
         return instance
+
+
+def uses_cpu_kernels(device_type: str) -> bool:
+    """Whether the graphs compiled for `device_type` call this package's native CPU ops where they build
+    (attention, GDN, bf16 linears); elsewhere (cuda) they trace the ops' PyTorch twins."""
+    return device_type == "cpu"
 
 
 def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> bool:
@@ -298,7 +304,7 @@ def _compile_graphs(
     if cpu_kernels and load_native_ops():
         # The chunked delta rule's scalar build is slower than the compiled PyTorch twin.
         chunk_step = gdn_prefill_chunk_native if gdn_prefill_vectorized() else gdn_prefill_chunk_torch
-        model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step)
+        model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step, gdn_verify_step_native)
     try:
         extra = compile_regions(
             model,
@@ -308,7 +314,9 @@ def _compile_graphs(
             shapes,
         )
     finally:
-        model.set_kernels(paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch)
+        model.set_kernels(
+            paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch, gdn_verify_step_torch
+        )
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)
     (out_dir / STEP_SHAPES).write_text(json.dumps(dataclasses.asdict(shapes)))
@@ -327,8 +335,9 @@ def _describe(model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> di
 
 
 def default_backend() -> str:
-    """What `export` compiles for when no backend is named: cuda with a GPU, else cpu."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """What `export` compiles for when no backend is named: cpu, also on a machine with a GPU, until the
+    cuda backend works there (the README says how it fails)."""
+    return "cpu"
 
 
 def default_device(backend: str) -> str:

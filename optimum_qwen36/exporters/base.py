@@ -20,9 +20,10 @@ class StepBackend(Protocol):
     # Where the cache tensors must live (the steps update them in place there).
     device: str
     # Whether decode_step accepts fewer rows than the exported batch (else callers pad to the full batch),
-    # and the fewest rows it takes (callers pad with dummy rows in the scratch slot and the null block).
+    # and the fewest rows a decode, verify or MTP step takes (callers pad with dummy rows in the scratch
+    # slot and the null block).
     decodes_any_batch: bool
-    min_decode_rows: int
+    min_step_rows: int
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
 
@@ -90,7 +91,7 @@ class EagerBackend:
 
     name = "eager"
     decodes_any_batch = True
-    min_decode_rows = 1
+    min_step_rows = 1
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model

@@ -156,7 +156,7 @@ class NeuronBackend:
 
     name = "neuron"
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
-    min_decode_rows = 1
+    min_step_rows = 1
 
     def __init__(
         self,

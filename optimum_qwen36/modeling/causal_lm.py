@@ -175,9 +175,9 @@ class NeuronModelForCausalLM:
         token: str | None = None,
     ) -> Qwen36NeuronConfig:
         """The export settings for a checkpoint; defaults come from its config (dtype, context length,
-        quantization) and the machine (backend: cuda with a GPU, else cpu; "eager" runs the PyTorch code
-        uncompiled). An FP8 checkpoint keeps its FP8 weights; `quantization="fp8"` quantizes a bf16 / fp32
-        one at export, `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp".
+        quantization); the backend is cpu unless named (cuda does not work yet; "eager" runs the PyTorch
+        code uncompiled). An FP8 checkpoint keeps its FP8 weights; `quantization="fp8"` quantizes a bf16 /
+        fp32 one at export, `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp".
         `num_speculative_tokens` k (1..3) loads the checkpoint's MTP layer: the engine (`create_engine`,
         `serve`) then drafts k tokens per step and verifies them in one step (MTP speculative decoding)."""
         checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)

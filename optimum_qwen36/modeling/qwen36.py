@@ -31,13 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..nki import (
-    causal_conv1d_fn,
-    causal_conv1d_update,
-    fused_recurrent_gated_delta_rule,
-)
+from ..nki import causal_conv1d_fn, causal_conv1d_update
 from ..ops.attention import PagedAttention, paged_attention_torch
-from ..ops.gdn import GDNStep, gdn_decode_step_torch, gdn_prefill_chunk_torch
+from ..ops.gdn import (
+    GDNStep,
+    GDNVerify,
+    gdn_decode_step_torch,
+    gdn_prefill_chunk_torch,
+    gdn_verify_step_torch,
+)
 from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 
 NULL_BLOCK = 0
@@ -202,10 +204,11 @@ class Qwen36GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        # The delta rule of a decode step and of a prefill chunk on the cache's states, in place (ops/gdn.py;
-        # backends may swap in native ops).
+        # The delta rule of a decode step, a prefill chunk and a verify step on the cache's states, in place
+        # (ops/gdn.py; backends may swap in native ops).
         self.recurrent_step: GDNStep = gdn_decode_step_torch
         self.chunk_step: GDNStep = gdn_prefill_chunk_torch
+        self.verify_step: GDNVerify = gdn_verify_step_torch
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
@@ -233,10 +236,10 @@ class Qwen36GatedDeltaNet(nn.Module):
         conv_state = step.conv_state[cache_idx, step.slots]
         index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
         if step.spec_recurrent_state is not None:
-            recurrent_state = step.recurrent_state[cache_idx, step.slots]
-            out, conv_states, recurrent_states = self.verify(hidden, conv_state, recurrent_state)
+            out, conv_states = self.verify(
+                hidden, conv_state, step.recurrent_state, step.spec_recurrent_state, cache_idx, step.slots
+            )
             step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
-            step.spec_recurrent_state.index_put_(index, recurrent_states)
             return out
         if step.valid is None:
             out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
@@ -301,28 +304,34 @@ class Qwen36GatedDeltaNet(nn.Module):
         return self._output(core.unsqueeze(1), z), new_conv_state
 
     def verify(
-        self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [B, T, hidden]: T tokens per row, each advanced exactly as a decode step would. Returns the
-        output and the conv and recurrent states after each position, [B, T, ...] (positions past a row's
-        real tokens hold states nobody keeps)."""
+        self,
+        hidden: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        spec_recurrent_state: torch.Tensor,
+        cache_idx: CacheIndex,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, hidden]: T tokens per row, each advanced exactly as a decode step would, from the
+        conv states of the rows' slots and the cache's recurrent state tensor, which are left as they are.
+        Returns the output and the conv states after each position [B, T, ...]; the recurrent state after
+        each position goes to spec_recurrent_state (positions past a row's real tokens hold states nobody
+        keeps)."""
         mixed, z, beta, g = self._project(hidden)
         weight = self.conv1d.weight.squeeze(1)
-        cores, conv_states, recurrent_states = [], [], []
+        convolved, conv_states = [], []
         for t in range(hidden.shape[1]):
             mixed_t, conv_state = causal_conv1d_update(
                 mixed[..., t : t + 1], conv_state, weight, activation="silu"
             )
-            query, key, value = self._split_heads(mixed_t.transpose(1, 2))
-            core, recurrent_state = fused_recurrent_gated_delta_rule(
-                query, key, value, g[:, t : t + 1], beta[:, t : t + 1],
-                initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            )  # fmt: skip
-            cores.append(core)
+            convolved.append(mixed_t)
             conv_states.append(conv_state)
-            recurrent_states.append(recurrent_state)
-        core = torch.cat(cores, dim=1)
-        return self._output(core, z), torch.stack(conv_states, 1), torch.stack(recurrent_states, 1)
+        query, key, value = self._split_heads(torch.cat(convolved, dim=-1).transpose(1, 2))
+        core = self.verify_step(
+            query, key, value, g, beta, recurrent_state, spec_recurrent_state, cache_idx, slots,
+            self.head_k_dim**-0.5,
+        )  # fmt: skip
+        return self._output(core, z), torch.stack(conv_states, 1)
 
 
 class Qwen36DecoderLayer(nn.Module):
@@ -406,15 +415,21 @@ class Qwen36ForCausalLM(nn.Module):
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
 
     def set_kernels(
-        self, paged_attention: PagedAttention, recurrent_step: GDNStep, chunk_step: GDNStep
+        self,
+        paged_attention: PagedAttention,
+        recurrent_step: GDNStep,
+        chunk_step: GDNStep,
+        verify_step: GDNVerify,
     ) -> None:
         """Make every attention layer (the MTP layer's too) attend with `paged_attention`, and every GDN
-        layer run its decode steps with `recurrent_step` and its prefill chunks with `chunk_step`."""
+        layer run its decode steps with `recurrent_step`, its prefill chunks with `chunk_step` and its verify
+        steps with `verify_step`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
                 module.paged_attention = paged_attention
             elif isinstance(module, Qwen36GatedDeltaNet):
                 module.recurrent_step, module.chunk_step = recurrent_step, chunk_step
+                module.verify_step = verify_step
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:

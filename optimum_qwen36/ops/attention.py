@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .native import layer_index
 
@@ -40,17 +39,25 @@ def paged_attention_torch(
     # the whole cache: a tensor cache_idx must not copy out the layer's whole entry first).
     keys = key_cache[cache_idx, block_tables].flatten(1, 2)
     values = value_cache[cache_idx, block_tables].flatten(1, 2)
+    batch, tokens, heads, head_dim = query.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    # Written out rather than through scaled_dot_product_attention, whose kernel choice depends on the
+    # device: on cuda its fused kernels pad the mask and export cannot prove the padding's bounds for a
+    # dynamic block-table width. Scores and softmax in float32 whatever the cache dtype.
+    grouped = query.reshape(batch, tokens, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(batch, kv_heads, group * tokens, head_dim).float()
+    scores = grouped @ keys.permute(0, 2, 3, 1).float() * scale  # [B, KVH, G * T, S]
+    # Built at the scores' [B, 1, G * T, S] layout from the start (row g * T + t sees positions[b, t]): a
+    # reshaped broadcast of a dynamic width made torch 2.11's export fail on cuda.
     key_positions = torch.arange(keys.shape[1], device=positions.device)
-    attend = key_positions.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, S]
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=attend.unsqueeze(1),
-        scale=scale,
-        enable_gqa=query.shape[2] != keys.shape[2],
-    )
-    return out.transpose(1, 2)
+    attend = key_positions.view(1, 1, -1) <= positions.repeat(1, group).unsqueeze(-1)
+    attend = attend.unsqueeze(1)
+    # The smallest float, not -inf: a padding row that sees no key gets finite (unused) values, not NaN.
+    scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)
+    out = scores.softmax(-1) @ values.permute(0, 2, 1, 3).float()  # [B, KVH, G * T, D]
+    out = out.reshape(batch, kv_heads, group, tokens, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, tokens, heads, head_dim).to(query.dtype)
 
 
 def paged_attention_native(

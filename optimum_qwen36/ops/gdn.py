@@ -7,12 +7,16 @@ slots[b] is row b's state; q and k are L2-normalised first (as `use_qk_l2norm_in
 - decode step: q, k [B, H, K], v [B, HV, V], g (log decay) and beta [B, HV]; returns o [B, HV, V].
 - prefill chunk: one sequence, q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV] (tokens past the
   real ones with g = 0 and beta = 0, so they leave the state as it is), slots [1]; returns o [1, T, HV, V].
+- verify step (MTP speculative decoding): T tokens per row, q, k [B, T, H, K], v [B, T, HV, V], g and beta
+  [B, T, HV], each advanced as a decode step would; the slots' states are only read, and the state after
+  token t goes to spec_recurrent_state [L, slots, T, HV, K, V] at [cache_idx, slots[b], t]. Returns
+  o [B, T, HV, V].
 
 The PyTorch forms gather the states, run `nki.fused_recurrent_gated_delta_rule` /
 `nki.chunk_gated_delta_rule` (their PyTorch twins, or the NKI kernels on neuron) and scatter the new states
-back with one index_put_. The native ops (`optimum_qwen36::gdn_decode_step`, `gdn_prefill_chunk`:
-csrc/gdn_decode.cpp, csrc/gdn_prefill.cpp) read and rewrite the states where they lie. Outputs are in v's
-dtype.
+back with one index_put_. The native ops (`optimum_qwen36::gdn_decode_step`, `gdn_verify_step`,
+`gdn_prefill_chunk`: csrc/gdn_decode.cpp, csrc/gdn_prefill.cpp) read and write the states where they lie.
+Outputs are in v's dtype.
 """
 
 from __future__ import annotations
@@ -69,6 +73,53 @@ def gdn_decode_step_native(
     """The native op (load it first: `ops.native.load_native_ops()`)."""
     op = torch.ops.optimum_qwen36.gdn_decode_step
     return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, scale)
+
+
+# (q, k, v, g, beta, recurrent_state, spec_recurrent_state, cache_idx, slots, scale) -> o
+GDNVerify = Callable[..., torch.Tensor]
+
+
+def gdn_verify_step_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    spec_recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    state = recurrent_state[cache_idx, slots]
+    outputs, states = [], []
+    for t in range(q.shape[1]):  # one token at a time, as decode steps: the same arithmetic
+        o, state = fused_recurrent_gated_delta_rule(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], scale,
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        outputs.append(o)
+        states.append(state)
+    _write_states(spec_recurrent_state, cache_idx, slots, torch.stack(states, 1))
+    return torch.cat(outputs, dim=1)
+
+
+def gdn_verify_step_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    spec_recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native op (load it first: `ops.native.load_native_ops()`)."""
+    op = torch.ops.optimum_qwen36.gdn_verify_step
+    layer = layer_index(cache_idx, q.device)
+    return op(q, k, v, g, beta, recurrent_state, spec_recurrent_state, layer, slots, scale)
 
 
 def gdn_prefill_chunk_torch(

@@ -161,6 +161,10 @@ def _register_fake_kernels() -> None:
     def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale):
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("optimum_qwen36::gdn_verify_step")
+    def _(q, k, v, g, beta, recurrent_state, spec_recurrent_state, cache_idx, slots, scale):
+        return torch.empty_like(v, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("optimum_qwen36::gdn_prefill_chunk")
     def _(q, k, v, g, beta, recurrent_state, cache_idx, slot, scale):
         return torch.empty_like(v, memory_format=torch.contiguous_format)

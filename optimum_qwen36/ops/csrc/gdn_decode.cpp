@@ -1,4 +1,6 @@
-// One decode step of the gated delta rule, updating the recurrent states in place in the cache tensor.
+// The gated delta rule one token at a time: a decode step, updating the recurrent states in place in the
+// cache tensor, and a verify step (MTP speculative decoding), T tokens per row from the slot's state, each
+// token's state written to the speculative state tensor and the slot's own state left as it was.
 //
 // q, k [B, H, K] and v [B, HV, V] (any float dtype), g (log decay) and beta [B, HV]; recurrent_state
 // [L, slots, HV, K, V] float32, of which layer `cache_idx`, slot slots[b] is row b's state S. With q and k
@@ -20,6 +22,59 @@
 
 namespace {
 
+// Per-thread buffers of one (row, value head) token.
+struct HeadScratch {
+  std::vector<float> qn, kn, reads_k, reads_q, delta;
+  HeadScratch(int64_t k_dim, int64_t v_dim) : qn(k_dim), kn(k_dim), reads_k(v_dim), reads_q(v_dim), delta(v_dim) {}
+};
+
+// One token of one (row, value head): reads the state at `src`, writes the next one at `dst` (the same
+// address for an in-place step) and the output at `o`. q, k are the head's raw [K] values, v its [V].
+void delta_rule_token(const float* q, const float* k, const float* v, float g, float beta, float scale,
+                      const float* src, float* dst, float* o, int64_t k_dim, int64_t v_dim, HeadScratch& s) {
+  std::copy_n(q, k_dim, s.qn.data());
+  std::copy_n(k, k_dim, s.kn.data());
+  optimum_qwen36::normalise(s.qn.data(), k_dim, scale);
+  optimum_qwen36::normalise(s.kn.data(), k_dim, 1.0f);
+  const float decay = std::exp(g);
+  // k^T S and q^T S, one pass over S
+  std::fill(s.reads_k.begin(), s.reads_k.end(), 0.0f);
+  std::fill(s.reads_q.begin(), s.reads_q.end(), 0.0f);
+  for (int64_t r = 0; r < k_dim; ++r) {
+    const float* row = src + r * v_dim;
+    const float kr = s.kn[r], qr = s.qn[r];
+    for (int64_t c = 0; c < v_dim; ++c) {
+      s.reads_k[c] += kr * row[c];
+      s.reads_q[c] += qr * row[c];
+    }
+  }
+  float qk = 0.0f;
+  for (int64_t r = 0; r < k_dim; ++r) qk += s.qn[r] * s.kn[r];
+  for (int64_t c = 0; c < v_dim; ++c) {
+    s.delta[c] = beta * (v[c] - decay * s.reads_k[c]);
+    o[c] = decay * s.reads_q[c] + qk * s.delta[c];
+  }
+  // S <- e^g S + k delta^T
+  for (int64_t r = 0; r < k_dim; ++r) {
+    const float* row = src + r * v_dim;
+    float* out_row = dst + r * v_dim;
+    const float kr = s.kn[r];
+    for (int64_t c = 0; c < v_dim; ++c) out_row[c] = decay * row[c] + kr * s.delta[c];
+  }
+}
+
+// The state of each row's slot in layer `cache_idx`, checked.
+std::vector<float*> row_states(at::Tensor& states, const at::Tensor& cache_idx, const at::Tensor& slots,
+                               const char* op) {
+  TORCH_CHECK(cache_idx.numel() == 1, op, ": one layer");
+  const int64_t layer = cache_idx.item<int64_t>();
+  const at::Tensor slot = slots.to(at::kLong).contiguous();
+  std::vector<float*> rows(slot.numel());
+  for (int64_t b = 0; b < slot.numel(); ++b)
+    rows[b] = optimum_qwen36::slot_state(states, layer, slot.data_ptr<int64_t>()[b], op);
+  return rows;
+}
+
 at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, at::Tensor recurrent_state, const at::Tensor& cache_idx,
                            const at::Tensor& slots, double scale) {
@@ -30,12 +85,8 @@ at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(v_heads % k_heads == 0, "gdn_decode_step: value heads must be a multiple of key heads");
   TORCH_CHECK(g.sizes() == v.sizes().slice(0, 2) && beta.sizes() == g.sizes(), "gdn_decode_step: g, beta [B, HV]");
   optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_decode_step");
-  TORCH_CHECK(cache_idx.numel() == 1 && slots.numel() == batch, "gdn_decode_step: one layer, one slot per row");
-  const int64_t layer = cache_idx.item<int64_t>();
-  const at::Tensor slot = slots.to(at::kLong).contiguous();
-  std::vector<float*> row_states(batch);
-  for (int64_t b = 0; b < batch; ++b)
-    row_states[b] = optimum_qwen36::slot_state(recurrent_state, layer, slot.data_ptr<int64_t>()[b], "gdn_decode_step");
+  TORCH_CHECK(slots.numel() == batch, "gdn_decode_step: one slot per row");
+  const std::vector<float*> states = row_states(recurrent_state, cache_idx, slots, "gdn_decode_step");
   const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
   const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
   const at::Tensor bf = beta.to(at::kFloat).contiguous();
@@ -43,39 +94,62 @@ at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
 
   at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(k_dim), kn(k_dim), reads_k(v_dim), reads_q(v_dim), delta(v_dim);
+    HeadScratch scratch(k_dim, v_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;
-      std::copy_n(qf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, qn.data());
-      std::copy_n(kf.data_ptr<float>() + (b * k_heads + h) * k_dim, k_dim, kn.data());
-      optimum_qwen36::normalise(qn.data(), k_dim, float(scale));
-      optimum_qwen36::normalise(kn.data(), k_dim, 1.0f);
-      float* state = row_states[b] + hv * state_size;
-      const float decay = std::exp(gf.data_ptr<float>()[i]), b_i = bf.data_ptr<float>()[i];
-      // k^T S and q^T S, one pass over S
-      std::fill(reads_k.begin(), reads_k.end(), 0.0f);
-      std::fill(reads_q.begin(), reads_q.end(), 0.0f);
-      for (int64_t r = 0; r < k_dim; ++r) {
-        const float* row = state + r * v_dim;
-        const float kr = kn[r], qr = qn[r];
-        for (int64_t c = 0; c < v_dim; ++c) {
-          reads_k[c] += kr * row[c];
-          reads_q[c] += qr * row[c];
-        }
-      }
-      float qk = 0.0f;
-      for (int64_t r = 0; r < k_dim; ++r) qk += qn[r] * kn[r];
-      const float* v_i = vf.data_ptr<float>() + i * v_dim;
-      float* o = out.data_ptr<float>() + i * v_dim;
-      for (int64_t c = 0; c < v_dim; ++c) {
-        delta[c] = b_i * (v_i[c] - decay * reads_k[c]);
-        o[c] = decay * reads_q[c] + qk * delta[c];
-      }
-      // S <- e^g S + k delta^T
-      for (int64_t r = 0; r < k_dim; ++r) {
-        float* row = state + r * v_dim;
-        const float kr = kn[r];
-        for (int64_t c = 0; c < v_dim; ++c) row[c] = decay * row[c] + kr * delta[c];
+      float* state = states[b] + hv * state_size;
+      delta_rule_token(qf.data_ptr<float>() + (b * k_heads + h) * k_dim,
+                       kf.data_ptr<float>() + (b * k_heads + h) * k_dim, vf.data_ptr<float>() + i * v_dim,
+                       gf.data_ptr<float>()[i], bf.data_ptr<float>()[i], float(scale), state, state,
+                       out.data_ptr<float>() + i * v_dim, k_dim, v_dim, scratch);
+    }
+  });
+  return out.to(v.scalar_type());
+}
+
+// q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV]; recurrent_state [L, slots, HV, K, V] (read) and
+// spec_recurrent_state [L, slots, T', HV, K, V] (T' >= T): row b starts from its slot's state in layer
+// cache_idx and the state after its token t goes to spec_recurrent_state[cache_idx, slots[b], t], the same
+// arithmetic as T decode steps. Returns o [B, T, HV, V].
+at::Tensor gdn_verify_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                           const at::Tensor& beta, at::Tensor recurrent_state, at::Tensor spec_recurrent_state,
+                           const at::Tensor& cache_idx, const at::Tensor& slots, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 2) == q.sizes().slice(0, 2),
+              "gdn_verify_step: q, k [B, T, H, K] and v [B, T, HV, V] expected");
+  const int64_t batch = q.size(0), tokens = q.size(1), k_heads = q.size(2), k_dim = q.size(3);
+  const int64_t v_heads = v.size(2), v_dim = v.size(3);
+  TORCH_CHECK(v_heads % k_heads == 0, "gdn_verify_step: value heads must be a multiple of key heads");
+  TORCH_CHECK(g.sizes() == v.sizes().slice(0, 3) && beta.sizes() == g.sizes(), "gdn_verify_step: g, beta [B, T, HV]");
+  optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_verify_step");
+  TORCH_CHECK(spec_recurrent_state.scalar_type() == at::kFloat && spec_recurrent_state.is_contiguous() &&
+                  spec_recurrent_state.dim() == 6 && spec_recurrent_state.size(0) == recurrent_state.size(0) &&
+                  spec_recurrent_state.size(1) == recurrent_state.size(1) && spec_recurrent_state.size(2) >= tokens &&
+                  spec_recurrent_state.sizes().slice(3) == recurrent_state.sizes().slice(2),
+              "gdn_verify_step: spec_recurrent_state must be a contiguous float32 [L, slots, T, HV, K, V] of the "
+              "recurrent state's layers, slots and heads");
+  TORCH_CHECK(slots.numel() == batch, "gdn_verify_step: one slot per row");
+  const std::vector<float*> starts = row_states(recurrent_state, cache_idx, slots, "gdn_verify_step");
+  const std::vector<float*> specs = row_states(spec_recurrent_state, cache_idx, slots, "gdn_verify_step");
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
+  const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
+  const at::Tensor bf = beta.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({batch, tokens, v_heads, v_dim}, v.options().dtype(at::kFloat));
+  const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
+  const int64_t spec_stride = spec_recurrent_state.stride(2);
+
+  at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
+    HeadScratch scratch(k_dim, v_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;
+      const float* src = starts[b] + hv * state_size;
+      for (int64_t t = 0; t < tokens; ++t) {
+        float* dst = specs[b] + t * spec_stride + hv * state_size;
+        const int64_t token = b * tokens + t, head = token * v_heads + hv;
+        delta_rule_token(qf.data_ptr<float>() + (token * k_heads + h) * k_dim,
+                         kf.data_ptr<float>() + (token * k_heads + h) * k_dim, vf.data_ptr<float>() + head * v_dim,
+                         gf.data_ptr<float>()[head], bf.data_ptr<float>()[head], float(scale), src, dst,
+                         out.data_ptr<float>() + head * v_dim, k_dim, v_dim, scratch);
+        src = dst;
       }
     }
   });
@@ -88,8 +162,12 @@ TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
   m.def(
       "gdn_decode_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) recurrent_state, "
       "Tensor cache_idx, Tensor slots, float scale) -> Tensor");
+  m.def(
+      "gdn_verify_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor recurrent_state, "
+      "Tensor(a!) spec_recurrent_state, Tensor cache_idx, Tensor slots, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
   m.impl("gdn_decode_step", &gdn_decode_step);
+  m.impl("gdn_verify_step", &gdn_verify_step);
 }
