@@ -10,7 +10,8 @@ first token to the end (prefill excluded); acceptance comes from the engine's st
 per engine step, the milliseconds in the backend's decode, verify and MTP calls and in the rest (the
 engine's own work), from each k's last run.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_speculative.py           # trains the model if needed
+    python benchmarks/bench_speculative.py           # trains the model if needed (OpenMP default wait policy:
+                                                     # PASSIVE hides the steps behind thread wake-ups here)
 
 Writes benchmarks/results/bench_speculative.json and .png (or --output and its .png) and prints a table.
 """
