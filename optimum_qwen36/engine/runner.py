@@ -70,19 +70,17 @@ class ModelRunner:
         """Feed tokens[i] at positions[i] to the sequence in slots[i] (distinct), whose blocks are
         block_tables[i]; returns the logits [len(tokens), vocab]."""
         batch = len(tokens)
-        rows = max(
-            batch if self.backend.decodes_any_batch else self.cache.batch_size, self.backend.min_step_rows
+        rows = batch if self.backend.decodes_any_batch else self.cache.batch_size
+        tables = torch.zeros((batch, self.cache.max_blocks_per_row), dtype=torch.long)
+        tables[:, : block_tables.shape[1]] = block_tables
+        logits = self.backend.decode_step(
+            self._padded_rows(tokens.to(torch.long), rows=rows).unsqueeze(1),
+            self._padded_rows(positions.to(torch.long), rows=rows),
+            self._padded_rows(slots.to(torch.long), self.cache.scratch_slot, rows=rows),
+            self._padded_rows(tables, rows=rows),
+            *self.cache.step_tensors(),
         )
-        input_ids = torch.zeros((rows, 1), dtype=torch.long)
-        input_ids[:batch, 0] = tokens
-        all_positions = torch.zeros(rows, dtype=torch.long)
-        all_positions[:batch] = positions
-        all_slots = torch.full((rows,), self.cache.scratch_slot, dtype=torch.long)
-        all_slots[:batch] = slots
-        tables = torch.zeros((rows, self.cache.max_blocks_per_row), dtype=torch.long)
-        tables[:batch, : block_tables.shape[1]] = block_tables
-        caches = self.cache.step_tensors()
-        return self.backend.decode_step(input_ids, all_positions, all_slots, tables, *caches)[:batch]
+        return logits[:batch]
 
     def verify(
         self,
@@ -96,12 +94,11 @@ class ModelRunner:
         the slots' GDN states are not changed (see `keep_verified_state`). Returns the logits after each
         token [B, k + 1, vocab] and the normed hidden states [B, k + 1, hidden]."""
         batch = len(tokens)
-        slots = self._padded_rows(slots, self.cache.scratch_slot)
         logits, hidden = self.backend.verify_step(
             self._padded_rows(tokens),
             self._padded_rows(positions),
             self._padded_rows(num_valid, 1),
-            slots,
+            self._padded_rows(slots, self.cache.scratch_slot),
             self._padded_rows(block_tables),
             *self.cache.step_tensors(),
             *self.cache.spec_tensors(),
@@ -131,13 +128,13 @@ class ModelRunner:
         )
         return logits[:batch], out[:batch]
 
-    def _padded_rows(self, rows: torch.Tensor, fill: int = 0) -> torch.Tensor:
-        """`rows` with dummy rows of `fill` up to the backend's `min_step_rows` (a dummy row runs at position
-        0 of the null block, in the scratch slot)."""
-        missing = self.backend.min_step_rows - len(rows)
+    def _padded_rows(self, values: torch.Tensor, fill: int = 0, rows: int = 0) -> torch.Tensor:
+        """`values` (a row each, contiguous) with dummy rows of `fill` up to `rows` and at least the
+        backend's `min_step_rows` (a dummy row runs at position 0 of the null block, in the scratch slot)."""
+        missing = max(rows, self.backend.min_step_rows) - len(values)
         if missing <= 0:
-            return rows
-        return torch.cat([rows, rows.new_full((missing, *rows.shape[1:]), fill)])
+            return values.contiguous()
+        return torch.cat([values, values.new_full((missing, *values.shape[1:]), fill)])
 
     def verified_state(self, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv and recurrent states of `slot` after the verify step's token `position` (views)."""
