@@ -6,7 +6,9 @@ native kernel `optimum_qwen36::bf16_linear` (what every bf16 decode graph runs),
 Shapes: the projections of 16 layers of the bench_generate model (hidden 1024, MLP 3584, GDN 16 heads of
 128, attention 8 + 2 heads of 256, 3 GDN layers per attention layer; 663 MB in bf16, far more than the
 caches, so the weights come from memory as in a decode step), and the 248320 x 1024 output projection alone
-(508 MB). GB/s = weight bytes read / time of one call, each way compiled by Inductor as one graph over all
+(508 MB); with `--shapes qwen3.6-27b`, Qwen3.6-27B's (hidden 5120, MLP 17408, GDN 16 key / 48 value heads
+of 128, attention 24 + 4 heads of 256: 4 layers are 3.0 GB in bf16) and its 248320 x 5120 output projection.
+GB/s = weight bytes read / time of one call, each way compiled by Inductor as one graph over all
 the weights (as in the exported step graphs); --repeats runs after a warm-up, the two ways alternated run by
 run (same machine load), kept with min / median / max (the median is the headline figure). `--rows`: one
 row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row.
@@ -14,6 +16,8 @@ row (batch-1 decode), and 8 rows by default, which the one-row form reads once p
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py        # bf16, the machine's threads
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py --dtype float32 --rows 1 2 4 8
     python benchmarks/bench_matvec.py --layers 4 --skip-output-projection --repeats 3 --output /tmp/mv.json
+    python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 3 4 8 \
+        --skip-output-projection --output benchmarks/results/bench_matvec_27b.json
 
 Writes benchmarks/results/bench_matvec.json.
 """
@@ -32,10 +36,33 @@ from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_l
 from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MLP = [(3584, 1024), (3584, 1024), (1024, 3584)]  # (out, in): gate, up, down
-GDN = [(6144, 1024), (2048, 1024), (16, 1024), (16, 1024), (1024, 2048)]  # in_proj_qkv, z, b, a; out_proj
-ATTENTION = [(4096, 1024), (512, 1024), (512, 1024), (1024, 2048)]  # q (with its gate), k, v, o
-LAYER_SHAPES = (GDN + MLP) * 3 + ATTENTION + MLP  # 4 layers
+# (out, in) of each projection of 4 layers (3 GDN + 1 attention): GDN in_proj_qkv, z, b, a, out_proj; MLP
+# gate, up, down; attention q (with its gate), k, v, o. And (hidden, vocab) for the output projection.
+MODELS = {
+    "bench-model": dict(
+        hidden=1024,
+        mlp=3584,
+        gdn=(4096, 2048, 16),
+        attention=(4096, 512, 2048),
+        vocab=248320,
+    ),
+    "qwen3.6-27b": dict(
+        hidden=5120,
+        mlp=17408,
+        gdn=(4096, 6144, 48),
+        attention=(12288, 1024, 6144),
+        vocab=248320,
+    ),
+}
+
+
+def layer_shapes(model: dict) -> list[tuple[int, int]]:
+    """The projections of 4 layers (3 GDN + 1 attention) of `model` (a MODELS entry), as (out, in)."""
+    hidden, (qk, v, heads), (q, kv, o) = model["hidden"], model["gdn"], model["attention"]
+    mlp = [(model["mlp"], hidden), (model["mlp"], hidden), (hidden, model["mlp"])]
+    gdn = [(qk + v, hidden), (v, hidden), (heads, hidden), (heads, hidden), (hidden, v)]
+    attention = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, o)]
+    return (gdn + mlp) * 3 + attention + mlp
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,6 +112,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--shapes", default="bench-model", choices=sorted(MODELS), help="whose projections")
     parser.add_argument("--layers", type=int, default=16, help="layers' projections (multiple of 4)")
     parser.add_argument("--skip-output-projection", action="store_true")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="x rows per call")
@@ -100,14 +128,16 @@ def main() -> None:
     sets = [
         (
             f"{args.layers} layers' projections",
-            [torch.randn(*s).to(dtype) for s in LAYER_SHAPES * (args.layers // 4)],
+            [torch.randn(*s).to(dtype) for s in layer_shapes(MODELS[args.shapes]) * (args.layers // 4)],
         )
     ]
     if not args.skip_output_projection:
-        sets.append(("output projection", [torch.randn(248320, 1024).to(dtype)]))
+        model = MODELS[args.shapes]
+        sets.append(("output projection", [torch.randn(model["vocab"], model["hidden"]).to(dtype)]))
     report: dict = {
         "command": command_line(),
         "dtype": args.dtype,
+        "shapes": args.shapes,
         "machine": machine(),
         "repeats": args.repeats,
         "weight_bytes": {},

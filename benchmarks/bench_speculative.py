@@ -13,6 +13,11 @@ engine's own work), from each k's last run.
     python benchmarks/bench_speculative.py           # trains the model if needed (OpenMP default wait policy:
                                                      # PASSIVE hides the steps behind thread wake-ups here)
 
+That model is small enough that a step's cost is the calls' fixed overhead, and its MTP layer is one of 5
+layers. `--num-layers 64 --intermediate-size 4096` runs it with Qwen3.6-27B's cost structure instead
+(mtp_model.inert_checkpoint: 60 appended layers and widened MLPs that do their work and add exactly zero, so
+the tokens are unchanged): a decode step is bound by reading the weights, and the MTP layer is 1 of 65.
+
 Writes benchmarks/results/bench_speculative.json and .png (or --output and its .png) and prints a table.
 """
 
@@ -22,12 +27,13 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from mtp_model import mtp_checkpoint
+from mtp_model import inert_checkpoint, mtp_checkpoint
 from text_model import corpus
 from timing import alternate, fmt, machine, paired_ratios, spread
 
@@ -66,6 +72,19 @@ def backend_calls() -> Iterator[collections.Counter]:
     finally:
         for name, real in originals.items():
             setattr(ModelRunner, name, real)
+
+
+def trunk_weight_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
+    """Bytes of trunk weights a decode step reads in `dtype` (every `model.*` tensor but the embedding table,
+    of which a step gathers one row per token), from the safetensors headers."""
+    from safetensors import safe_open
+
+    numel = 0
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 (a safetensors file is not iterable)
+            if name != "model.embed_tokens.weight":
+                numel += math.prod(weights.get_slice(name).get_shape())
+    return numel * dtype.itemsize
 
 
 def decode_run(model, batch: list[list[int]], new_tokens: int) -> dict:
@@ -108,11 +127,25 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--num-layers", type=int, default=4, help="layers, the trained 4 and inert ones (mtp_model.py)"
+    )
+    parser.add_argument(
+        "--intermediate-size", type=int, default=768, help="MLP width, the trained 768 and inert units"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_speculative.json")
     args = parser.parse_args()
 
     args.model_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = mtp_checkpoint(args.model_dir)
+    model_report = json.loads((checkpoint / "mtp_model.json").read_text())
+    if (args.num_layers, args.intermediate_size) != (4, 768):
+        checkpoint = inert_checkpoint(
+            checkpoint,
+            args.model_dir.with_name(f"{args.model_dir.name}-{args.num_layers}x{args.intermediate_size}"),
+            args.num_layers,
+            args.intermediate_size,
+        )
     settings = dict(
         backend=args.backend,
         dtype=args.dtype,
@@ -136,8 +169,10 @@ def main() -> None:
             if name not in ("output", "model_dir")
         ),
         "machine": machine(),
-        "model": json.loads((checkpoint / "mtp_model.json").read_text()),
+        "model": model_report,
+        "inert": {"num_layers": args.num_layers, "intermediate_size": args.intermediate_size},
         "settings": settings,
+        "trunk_weight_bytes": trunk_weight_bytes(checkpoint, getattr(torch, args.dtype)),
         "export_seconds": export_seconds,
         "batches": {},
     }
@@ -169,6 +204,10 @@ def main() -> None:
             }
             if k and 0 in runs:
                 entry[str(k)]["speedup"] = paired_ratios(runs[0], runs[k])
+            if k == 0:
+                # how close plain decoding comes to streaming the weights at the memory's rate
+                step_ms = last[0]["ms_per_step"]["decode"] + last[0]["ms_per_step"]["rest"]
+                entry["0"]["trunk_weight_gb_s_last_run"] = report["trunk_weight_bytes"] / step_ms / 1e6
         report["batches"][str(batch_size)] = entry
         print(f"batch {batch_size}:")
         for k in args.ks:

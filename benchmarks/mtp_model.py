@@ -10,6 +10,14 @@ official key names (`mtp.fc.weight`, `mtp.layers.0.self_attn.q_proj.weight`, ...
     python benchmarks/mtp_model.py /tmp/mtp-model     # trains the trunk if needed, then the MTP layer
 
 `mtp_checkpoint(directory)` reuses a directory that already holds both (same settings).
+
+`inert_checkpoint(trained, directory, num_layers, intermediate_size)` gives that model the cost structure
+of a large one without changing what it computes: layers appended after the trained ones (copies of the
+trained layer of the same kind, in Qwen3.6's 3 GDN + 1 attention pattern) whose output projections are
+zero, and MLPs widened with units whose `down_proj` columns are zero. Every added unit does its work (a step
+reads its weights, its GDN state and KV are updated) and adds exactly zero to the residual stream, so the
+tokens are the trained model's while a decode step is bound by reading the weights, and the MTP layer is
+one of `num_layers + 1` layers, as in Qwen3.6-27B (64 + 1).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from text_model import CONFIG, MARKER, TRAIN, corpus, text_checkpoint
 from torch import nn
 from transformers import Qwen3_5ForCausalLM
@@ -109,6 +117,80 @@ def mtp_checkpoint(directory: Path) -> Path:
         "mtp_seconds": time.perf_counter() - start,
     }
     marker.write_text(json.dumps(report, indent=2) + "\n")
+    return directory
+
+
+INERT_MARKER = "inert_model.json"
+# Output projections of each mixer: zero in an appended layer, so it adds nothing to the residual stream.
+MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight")
+
+
+def widened_mlp(tensors: dict[str, torch.Tensor], prefix: str, intermediate_size: int) -> None:
+    """Widen the MLP under `prefix` to `intermediate_size` units: the added gate / up rows repeat the trained
+    ones (realistic activations), their down_proj columns are zero (they contribute exactly nothing)."""
+    gate, up, down = (tensors[f"{prefix}mlp.{name}_proj.weight"] for name in ("gate", "up", "down"))
+    repeats = -(-intermediate_size // gate.shape[0])
+    tensors[f"{prefix}mlp.gate_proj.weight"] = gate.repeat(repeats, 1)[:intermediate_size].contiguous()
+    tensors[f"{prefix}mlp.up_proj.weight"] = up.repeat(repeats, 1)[:intermediate_size].contiguous()
+    tensors[f"{prefix}mlp.down_proj.weight"] = torch.cat(
+        [down, down.new_zeros(down.shape[0], intermediate_size - down.shape[1])], dim=1
+    )
+
+
+def inert_checkpoint(trained: Path, directory: Path, num_layers: int, intermediate_size: int) -> Path:
+    """`trained` (an `mtp_checkpoint`) with layers appended up to `num_layers` and every MLP widened to
+    `intermediate_size`, all added units inert (see the module docstring); reused when already written."""
+    marker = directory / INERT_MARKER
+    settings = {
+        "trained": json.loads((trained / MTP_MARKER).read_text())["settings"],
+        "num_layers": num_layers,
+        "intermediate_size": intermediate_size,
+    }
+    written = json.loads(marker.read_text()) if marker.is_file() else None
+    if written is not None and written.pop("logits_max_abs_difference", None) == 0.0 and written == settings:
+        return directory
+    config = json.loads((trained / "config.json").read_text())
+    pattern = config["layer_types"]
+    if num_layers % len(pattern) or intermediate_size < config["intermediate_size"]:
+        raise ValueError(
+            f"num_layers must be a multiple of {len(pattern)} (the trained layer pattern) and "
+            f"intermediate_size at least {config['intermediate_size']}: got {num_layers}, {intermediate_size}"
+        )
+    trunk = load_file(str(trained / "model.safetensors"))
+    mtp = load_file(str(trained / MTP_FILE))
+    for index in range(len(pattern), num_layers):
+        source = f"model.layers.{index % len(pattern)}."
+        for name in [n for n in trunk if n.startswith(source)]:
+            copied = trunk[name].clone()
+            if name.endswith(MIXER_OUTPUTS) or name.endswith("mlp.down_proj.weight"):
+                copied.zero_()
+            trunk[f"model.layers.{index}.{name[len(source) :]}"] = copied
+    for index in range(num_layers):
+        widened_mlp(trunk, f"model.layers.{index}.", intermediate_size)
+    widened_mlp(mtp, "mtp.layers.0.", intermediate_size)
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in trained.iterdir():
+        if item.is_file() and item.suffix == ".json" and item.name not in ("config.json", MTP_MARKER):
+            shutil.copy(item, directory / item.name)
+    config.update(
+        num_hidden_layers=num_layers,
+        intermediate_size=intermediate_size,
+        layer_types=pattern * (num_layers // len(pattern)),
+    )
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(trunk, str(directory / "model.safetensors"))
+    save_file(mtp, str(directory / MTP_FILE))
+    # The added units must change nothing: transformers' logits of both checkpoints on held-out text.
+    text = corpus(held_out=True)[None, :512].long()
+    with torch.no_grad():
+        logits = [
+            Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32)(text).logits
+            for path in (trained, directory)
+        ]
+    difference = (logits[0] - logits[1]).abs().max().item()
+    if difference:
+        raise AssertionError(f"the inert units changed the logits (by up to {difference})")
+    marker.write_text(json.dumps({**settings, "logits_max_abs_difference": difference}, indent=2) + "\n")
     return directory
 
 

@@ -71,7 +71,9 @@ needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
-@pytest.mark.parametrize("features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001)])
+@pytest.mark.parametrize(
+    "features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001), (13, 2048), (10, 2100)]
+)
 def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
     """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows: on AVX2
     the weight widened in tiles of 4 MB: 1100 rows of 1001 are two tiles) and feature counts below, at and
@@ -89,6 +91,21 @@ def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]
         error = (got.view(rows, out_features).double() - exact).abs()
         # one rounding to bf16 (2^-8 relative) plus float32 summation of the exact products
         assert (error <= exact.abs() * 2**-8 + 1e-4 * exact.abs().max()).all()
+
+
+@needs_native
+@pytest.mark.parametrize("features", [(70, 300), (13, 2048), (9, 2100)])
+def test_bf16_linear_rows_do_not_depend_on_the_batch(features: tuple[int, int]) -> None:
+    """A row's output is bitwise the same alone and with up to 15 others (each streamed group of x rows,
+    each block of weight rows and its remainder, short and long weight rows): batch invariance of every
+    decode and verify step rests on it."""
+    out_features, in_features = features
+    generator = torch.Generator().manual_seed(out_features)
+    x = torch.randn(16, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    alone = torch.cat([torch.ops.optimum_qwen36.bf16_linear(row[None], weight, None) for row in x])
+    for rows in range(2, 17):
+        assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x[:rows], weight, None), alone[:rows])
 
 
 @needs_native

@@ -248,7 +248,18 @@ def test_killed_worker_ends_the_model_with_a_clear_error(checkpoint: Path) -> No
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
 
 
-def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path, nodes: int) -> None:
+    """One torchrun on one node with 2 processes, and the documented multi-node launch as 2 nodes of one
+    process each (two torchrun launchers meeting at a c10d rendezvous endpoint, here both on this host)."""
     script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
@@ -270,8 +281,23 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path) -> None:
             """
         )
     )
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-    result = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        result = subprocess.run(
+            [*torchrun, "--nproc-per-node", "2", str(script)], capture_output=True, text=True, timeout=300
+        )
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
+        multi_node = [
+            *torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "test", str(script),
+        ]  # fmt: skip
+        second = subprocess.Popen(multi_node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        result = subprocess.run(multi_node, capture_output=True, text=True, timeout=300)
+        second_out, second_err = second.communicate(timeout=60)
+        assert second.returncode == 0, second_err[-3000:]
+        # rank 0 (which prints) runs under one launcher or the other
+        result.stdout += second_out
     assert result.returncode == 0, result.stderr[-3000:]
     expected = one.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, do_sample=False).tolist()
     assert f"TOKENS {expected}" in result.stdout

@@ -1,16 +1,21 @@
 // y = x @ weight.T (+ bias) for bfloat16 x and weight, accumulated in float32, rounded once to bfloat16.
 //
-// Up to kStreamRows rows of x (decode): each thread streams its share of the weight, row after row, and
+// Up to kStreamRows rows of x (decode, verify): each thread streams its share of the weight once, and
 // multiplies every 32-value slice of a weight row with up to kRowGroup x rows by AVX-512 BF16 dot products
 // (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32). A decode step reads every weight once, so
-// its time follows how close this loop comes to the memory's read bandwidth: the weight is read in one
-// sequential stream per thread, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher
-// falls behind as soon as more than one x row is multiplied). More rows (prefill) go to ATen's matrix
-// product (where there are no bf16 dot products for it, in float32 on tiles of widened weight rows). With
-// AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice is widened
-// as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the weight is still read as
-// bf16, half the bytes of a float32 model. Without either, the same loop runs in
-// scalar float32 (the same values up to summation order).
+// its time follows how close this loop comes to the memory's read bandwidth: the weight is read in
+// sequential streams, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher falls behind as
+// soon as more than one x row is multiplied). Weights with rows of kBlockedMinFeatures values or more go
+// kWeightRows rows at a time: each x slice is loaded once for those rows, and their accumulators' lanes are
+// summed together at the end, so a few x rows cost little more than one (one weight row at a time, the x
+// loads and the horizontal sums, not the memory, bound those rows); shorter rows stream faster one at a time.
+// The path depends on the weight's shape only, and an output's arithmetic does not depend on how many x
+// rows it is computed with: a row's result is the same alone and in a batch. More rows (prefill) go to
+// ATen's matrix product (where there are no bf16 dot products for it, in float32 on tiles of widened weight
+// rows). With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice
+// is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the weight is
+// still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in scalar
+// float32 (the same values up to summation order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -31,7 +37,10 @@
 namespace {
 
 constexpr int64_t kStreamRows = 16;      // x rows up to this count stream the weight
-constexpr int kRowGroup = 4;             // x rows sharing one pass over a weight row
+constexpr int kRowGroup = 4;             // x rows sharing one pass over the weight rows
+constexpr int kWeightRows = 4;           // weight rows sharing each load of an x slice (AVX-512 BF16: at
+                                         // most 4, the lanes one sum_lanes4 adds up)...
+constexpr int64_t kBlockedMinFeatures = 2048;  // ...in weights with rows of at least this many values
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weight is prefetched
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
 constexpr int64_t kTileBytes = 4 << 20;   // widened weight rows per tile, for more than kStreamRows x rows
@@ -114,6 +123,87 @@ void stream_rows(const XValue* x, const bf16* weight, int64_t N, int64_t M, int6
   });
 }
 
+#ifdef QWEN36_BF16_AVX512
+// The sums of the 16 lanes of a, b, c and d, each by the same tree (halves, then adjacent pairs twice, then
+// the two 128-bit halves), whatever the other three hold.
+inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const auto fold = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 ab = _mm256_hadd_ps(fold(a), fold(b));  // a01 a23 b01 b23 | a45 a67 b45 b67 (of the folded)
+  const __m256 cd = _mm256_hadd_ps(fold(c), fold(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// out[g * out_stride + j] = dot(w[j], x[g]) for W weight rows w[j] = w + j * K and G x rows (stride K).
+template <int G, int W>
+inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_t out_stride) {
+  __m512 acc[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < W; ++j) acc[g][j] = _mm512_setzero_ps();
+  const auto slice = [](const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[W];
+    // kPrefetchBytes ahead in each weight row, or in the same row of the next W when this row ends first
+    // (a prefetch past the weight's end is dropped, never faults).
+    const int64_t ahead = k + kPrefetchBytes / int64_t(sizeof(bf16));
+    const bf16* prefetched = ahead < K ? w + ahead : w + W * K + (ahead - K);
+    for (int j = 0; j < W; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetched + j * K), _MM_HINT_T0);
+      wv[j] = slice(w + j * K + k);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xv = slice(x + g * K + k);
+      for (int j = 0; j < W; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wv[j], xv);
+    }
+  }
+  if (k < K) {  // the last slice, masked to K
+    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
+    const auto masked = [mask](const bf16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); };
+    __m512bh wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = masked(w + j * K + k);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xv = masked(x + g * K + k);
+      for (int j = 0; j < W; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wv[j], xv);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 parts[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int j = 0; j < W; ++j) parts[j] = acc[g][j];
+    const __m128 sums = sum_lanes4(parts[0], parts[1], parts[2], parts[3]);
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, sums);
+    for (int j = 0; j < W; ++j) out[g * out_stride + j] = lanes[j];
+  }
+}
+
+template <int W, int G = kRowGroup>
+void dot_rows_of(const bf16* w, const bf16* x, int64_t K, int rows, float* out, int64_t out_stride) {
+  if constexpr (G > 1) {
+    if (rows < G) return dot_rows_of<W, G - 1>(w, x, K, rows, out, out_stride);
+  }
+  dot_rows<G, W>(w, x, K, out, out_stride);
+}
+
+// y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows: kWeightRows weight rows at a time (the
+// rows left over one at a time, with the same arithmetic).
+void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+  at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
+    const auto rows_of = [&](auto block, int64_t m) {
+      // The weight rows stay in cache for the later groups of x rows.
+      for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
+        dot_rows_of<decltype(block)::value>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)),
+                                            y + n0 * M + m, M);
+    };
+    int64_t m = begin;
+    for (; m + kWeightRows <= end; m += kWeightRows) rows_of(std::integral_constant<int, kWeightRows>{}, m);
+    for (; m < end; ++m) rows_of(std::integral_constant<int, 1>{}, m);
+  });
+}
+#endif
+
 #ifdef QWEN36_BF16_AVX2
 // More than kStreamRows rows without bf16 dot products (ATen's bf16 product then runs several times slower
 // than its float32 one): the float32 product of the widened values (exact), kTileBytes of widened weight rows
@@ -168,8 +258,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const at::Tensor xc = x.reshape({N, K}).to(c10::CppTypeToScalarType<XValue>::value).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty({N, M}, x.options().dtype(at::kFloat));
-  stream_rows(reinterpret_cast<const XValue*>(xc.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), N, M,
-              K, y.data_ptr<float>());
+  const auto* x_ptr = reinterpret_cast<const XValue*>(xc.data_ptr());
+  const auto* w_ptr = reinterpret_cast<const bf16*>(w.data_ptr());
+#ifdef QWEN36_BF16_AVX512
+  // Whether weight rows go in blocks depends on the weight's shape only, so a row's result does not depend
+  // on the batch (short weight rows stream faster one at a time: benchmarks/bench_matvec.py).
+  if (K >= kBlockedMinFeatures) {
+    stream_row_blocks(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
+  } else {
+    stream_rows(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
+  }
+#else
+  stream_rows(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
+#endif
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y.to(at::kBFloat16).reshape(out_shape);
 }
