@@ -11,13 +11,17 @@ of 128, attention 24 + 4 heads of 256: 4 layers are 3.0 GB in bf16) and its 2483
 GB/s = weight bytes read / time of one call, each way compiled by Inductor as one graph over all
 the weights (as in the exported step graphs); --repeats runs after a warm-up, the two ways alternated run by
 run (same machine load), kept with min / median / max (the median is the headline figure). `--rows`: one
-row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row.
+row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row. `--fp8`: instead,
+`bf16_linear` on the bf16 weights against `fp8_linear` on their FP8 copies (what `quantization="fp8"` with
+`fp8_modules="linear"` reads: Qwen's releases keep the output projection in bf16).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py        # bf16, the machine's threads
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_matvec.py --dtype float32 --rows 1 2 4 8
+    python benchmarks/bench_matvec.py        # bf16, the machine's threads
+    python benchmarks/bench_matvec.py --dtype float32 --rows 1 2 4 8
     python benchmarks/bench_matvec.py --layers 4 --skip-output-projection --repeats 3 --output /tmp/mv.json
     python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 3 4 8 \
         --skip-output-projection --output benchmarks/results/bench_matvec_27b.json
+    python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 4 8 --fp8 \
+        --skip-output-projection --output benchmarks/results/bench_matvec_27b_fp8.json
 
 Writes benchmarks/results/bench_matvec.json.
 """
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from timing import alternate, command_line, fmt, machine, paired_ratios, rates, wall
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_linear
+from optimum_qwen36.ops.fp8 import DEFAULT_BLOCK_SIZE, fp8_linear, quantize_fp8
 from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,6 +83,30 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.optimum_qwen36.bf16_linear(x, weight, None)
 
 
+def fp8_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+    """`bf16_linear` on bf16 `weights` against `fp8_linear` on their block-scaled e4m3 copies (128 x 128
+    blocks, as Qwen's FP8 releases and `quantization="fp8"`): GB/s of the bytes each reads (fp8 weights and
+    their scales), and the time ratio per round (`bf16_linear_over_fp8_linear`: the decode speed-up of FP8
+    weights where the projections are the step)."""
+    quantized = [quantize_fp8(w) for w in weights]
+    inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
+    measures = {
+        "bf16_linear": wall(lambda: [native_linear(x, w) for x, w in zip(inputs, weights, strict=True)]),
+        "fp8_linear": wall(
+            lambda: [
+                fp8_linear(x, q, s, DEFAULT_BLOCK_SIZE) for x, (q, s) in zip(inputs, quantized, strict=True)
+            ]
+        ),
+    }
+    runs = alternate(measures, repeats)
+    fp8_bytes = sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s in quantized)
+    return {
+        "bf16_linear": rates(sum(w.numel() * w.element_size() for w in weights) / 1e9, runs["bf16_linear"]),
+        "fp8_linear": rates(fp8_bytes / 1e9, runs["fp8_linear"]),
+        "bf16_linear_over_fp8_linear": paired_ratios(runs["bf16_linear"], runs["fp8_linear"]),
+    }
+
+
 def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     """GB/s of weights read by all of `weights` applied to `rows` rows, each way compiled as one graph (as in
     the exported step graphs, whose linears are ATen matrix products, one-row sums or the native kernel)."""
@@ -115,12 +144,19 @@ def main() -> None:
     parser.add_argument("--shapes", default="bench-model", choices=sorted(MODELS), help="whose projections")
     parser.add_argument("--layers", type=int, default=16, help="layers' projections (multiple of 4)")
     parser.add_argument("--skip-output-projection", action="store_true")
+    parser.add_argument(
+        "--fp8", action="store_true", help="bf16_linear against fp8_linear on FP8 copies (bf16 only)"
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="x rows per call")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_matvec.json")
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
+    if args.fp8 and (args.dtype != "bfloat16" or not bf16_linear_vectorized()):
+        parser.error(
+            "--fp8 compares the bf16 and fp8 kernels: it needs --dtype bfloat16 and bf16_linear's vector path"
+        )
     if args.layers < 4 or args.layers % 4:
         parser.error("--layers must be a positive multiple of 4 (3 GDN layers per attention layer)")
     dtype = getattr(torch, args.dtype)
@@ -146,7 +182,7 @@ def main() -> None:
     for label, weights in sets:
         report["weight_bytes"][label] = sum(w.numel() * w.element_size() for w in weights)
         for rows in args.rows:
-            result = streaming_rates(weights, rows, args.repeats)
+            result = (fp8_rates if args.fp8 else streaming_rates)(weights, rows, args.repeats)
             report["gb_per_s"][f"{label}, {rows} row(s)"] = result
             print(
                 f"{label:24s} rows={rows}: "
