@@ -632,6 +632,15 @@ def test_tensor_parallel_server_answers_as_one_process(checkpoint: Path, client)
         assert [(t.function.name, t.function.arguments) for t in calls[1]] == [
             (t.function.name, t.function.arguments) for t in calls[0]
         ]
+        # Structured output: each worker rebuilds the request's grammar constraint
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+        response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+        structured = [
+            chat(c, PERSON, response_format=response_format, extra_body=NO_THINKING).choices[0].message
+            for c in (client, other)
+        ]
+        structured = [message.content for message in structured]
+        assert structured[1] == structured[0] and "name" in json.loads(structured[0])
         status, _, body = running.request("GET", "/metrics")
         assert status == 200 and b"prefix_cache" in body
     finally:

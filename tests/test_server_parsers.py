@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL
 from chat_model import WEATHER_CALL as WEATHER_CALL_TEXT
 
@@ -209,3 +210,31 @@ def test_forced_tool_call_values_may_hold_any_text(tokenizer, value: str, accept
     # One character at a time: never the tag tokens, which llguidance's token view marks as special.
     ids = [token for character in text for token in ll.tokenize_str(character)]
     assert (all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()) == accepted
+
+
+def test_a_grammar_constraint_is_rebuilt_in_another_process(tmp_path) -> None:
+    """Tensor-parallel workers receive the constraint pickled: it is rebuilt from its grammar and its
+    tokenizer's directory with a fresh matcher, and allows what the original allows, token after token."""
+    import pickle
+
+    from optimum_qwen36.server.structured import StructuredOutput
+    from optimum_qwen36.tokenizer import save_qwen36_tokenizer
+
+    save_qwen36_tokenizer(tmp_path)
+    tokenizer = load_qwen36_tokenizer(tmp_path)
+    structured = StructuredOutput(tokenizer, len(tokenizer), tokenizer.eos_token_id)
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    original = structured.json_constraint(schema, gate_token_id=None)
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy is not original and copy.grammar == original.grammar
+    for token in tokenizer.encode('{"age":42}', add_special_tokens=False):
+        allowed = original.allowed_tokens(len(tokenizer))
+        assert torch.equal(copy.allowed_tokens(len(tokenizer)), allowed) and allowed[token]
+        original.accept(token)
+        copy.accept(token)
+    with pytest.raises(TypeError, match="has accepted tokens"):
+        pickle.dumps(original)
+    in_memory = StructuredOutput(load_qwen36_tokenizer(), len(tokenizer), tokenizer.eos_token_id)
+    in_memory.tokenizer.name_or_path = "not-a-directory"
+    with pytest.raises(TypeError, match="not loaded from a directory"):
+        pickle.dumps(in_memory.json_constraint(schema, gate_token_id=None))

@@ -2,6 +2,10 @@
 request, applied by the engine as a `TokenConstraint` (a mask of the tokens the grammar allows next).
 
 With thinking on, the grammar starts after `</think>`: the reasoning is free text, the answer is the JSON.
+
+A constraint sent to another process (a tensor-parallel worker runs the same engine call) travels as its
+grammar and where its tokenizer came from, and is rebuilt there with a fresh matcher: llguidance's matchers
+cannot be pickled, and every rank must apply the same grammar to the same tokens.
 """
 
 from __future__ import annotations
@@ -9,11 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..tokenizer import load_qwen36_tokenizer
 from .errors import bad_request
 
 logger = logging.getLogger(__name__)
@@ -26,26 +32,49 @@ except ImportError:  # an optional dependency: `pip install optimum-qwen36[serve
     llguidance = None
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar as requested (`kind` "json_schema": a JSON schema's text; "lark": llguidance's lark dialect)
+    and the directory its tokenizer was loaded from (None: a tokenizer built in memory), which another
+    process loads to rebuild the constraint."""
+
+    kind: str
+    text: str
+    tokenizer_dir: str | None
+    tokenizer_size: int
+
+
 class GrammarConstraint:
     """The tokens an llguidance grammar allows next; `gate_token_id`: enforce only after that token."""
 
     def __init__(
-        self, matcher: Any, vocab_size: int, eos_token_id: int, gate_token_id: int | None = None
+        self,
+        matcher: Any,
+        vocab_size: int,
+        eos_token_id: int,
+        gate_token_id: int | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.matcher = matcher
+        self.grammar = grammar
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.gate_token_id = gate_token_id
         self._open = gate_token_id is None
+        self._accepted = False  # a rebuilt constraint starts before any token
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "an llguidance grammar matcher cannot be sent to another process: structured output "
-            "(response_format, tool_choice 'required' or a named function) does not run with tp_degree > 1 "
-            "yet"
-        )
+        if self.grammar is None or self.grammar.tokenizer_dir is None:
+            raise TypeError(
+                "a grammar constraint is sent to another process (tensor parallelism) as its grammar and "
+                "the directory its tokenizer was loaded from, and this tokenizer was not loaded from a "
+                "directory: serve a model whose tokenizer files are in its directory, or use tp_degree=1"
+            )
+        if self._accepted:
+            raise TypeError("a grammar constraint that has accepted tokens cannot be sent to another process")
+        return rebuild_constraint, (self.grammar, self.vocab_size, self.eos_token_id, self.gate_token_id)
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         if not self._open:
@@ -64,6 +93,7 @@ class GrammarConstraint:
         return only_eos
 
     def accept(self, token_id: int) -> None:
+        self._accepted = True
         if not self._open:
             self._open = token_id == self.gate_token_id
             return
@@ -102,24 +132,57 @@ class StructuredOutput:
 
     def json_constraint(self, schema: dict[str, Any], gate_token_id: int | None) -> GrammarConstraint:
         """Output that is JSON valid under `schema`."""
-        return self._constraint(
-            lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), gate_token_id
-        )
+        return self.constraint(self._grammar("json_schema", json.dumps(schema)), gate_token_id)
 
     def lark_constraint(self, grammar: str, gate_token_id: int | None) -> GrammarConstraint:
         """Output in the language of a lark grammar (llguidance's dialect)."""
-        return self._constraint(lambda: llguidance.grammar_from("lark", grammar), gate_token_id)
+        return self.constraint(self._grammar("lark", grammar), gate_token_id)
 
-    def _constraint(self, grammar: Callable[[], str], gate_token_id: int | None) -> GrammarConstraint:
+    def _grammar(self, kind: str, text: str) -> Grammar:
+        source = getattr(self.tokenizer, "name_or_path", None)
+        tokenizer_dir = str(Path(source).resolve()) if source and Path(source).is_dir() else None
+        return Grammar(kind, text, tokenizer_dir, len(self.tokenizer))
+
+    def constraint(self, grammar: Grammar, gate_token_id: int | None) -> GrammarConstraint:
         if not self.available:
             raise bad_request(
                 "Structured output needs llguidance, which is not installed: pip install llguidance.",
                 "response_format",
             )
         try:
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar())
+            if grammar.kind == "json_schema":
+                text = llguidance.LLMatcher.grammar_from_json_schema(grammar.text)
+            else:
+                text = llguidance.grammar_from("lark", grammar.text)
+            matcher = llguidance.LLMatcher(self._tokenizer(), text)
         except ValueError as error:
             raise bad_request(f"Unusable grammar or JSON schema: {error}", "response_format") from error
         if matcher.is_error():
             raise bad_request(f"Unusable grammar or JSON schema: {matcher.get_error()}", "response_format")
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_id, gate_token_id)
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_id, gate_token_id, grammar)
+
+
+# This process's StructuredOutput per (tokenizer directory, vocab size, EOS): rebuilt constraints share it.
+_rebuilders: dict[tuple[str, int, int], StructuredOutput] = {}
+_rebuilders_lock = threading.Lock()
+
+
+def rebuild_constraint(
+    grammar: Grammar, vocab_size: int, eos_token_id: int, gate_token_id: int | None
+) -> GrammarConstraint:
+    """`grammar`'s constraint in this process, with a fresh matcher (as the sender's was before any token),
+    against this process's copy of the sender's tokenizer."""
+    assert grammar.tokenizer_dir is not None
+    key = (grammar.tokenizer_dir, vocab_size, eos_token_id)
+    with _rebuilders_lock:
+        structured = _rebuilders.get(key)
+        if structured is None:
+            tokenizer = load_qwen36_tokenizer(grammar.tokenizer_dir)
+            if len(tokenizer) != grammar.tokenizer_size:
+                raise ValueError(
+                    f"the tokenizer in {grammar.tokenizer_dir} has {len(tokenizer)} tokens here and "
+                    f"{grammar.tokenizer_size} in the process that sent the grammar: they must be the same "
+                    "files"
+                )
+            structured = _rebuilders[key] = StructuredOutput(tokenizer, vocab_size, eos_token_id)
+    return structured.constraint(grammar, gate_token_id)
