@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from mtp_model import inert_checkpoint, mtp_checkpoint
-from text_model import corpus
+from text_model import CONFIG, corpus
 from timing import alternate, fmt, machine, paired_ratios, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
@@ -127,11 +127,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    trained = (CONFIG["num_hidden_layers"], CONFIG["intermediate_size"])
     parser.add_argument(
-        "--num-layers", type=int, default=4, help="layers, the trained 4 and inert ones (mtp_model.py)"
+        "--num-layers",
+        type=int,
+        default=trained[0],
+        help="layers: the trained ones, then inert ones (mtp_model.py)",
     )
     parser.add_argument(
-        "--intermediate-size", type=int, default=768, help="MLP width, the trained 768 and inert units"
+        "--intermediate-size",
+        type=int,
+        default=trained[1],
+        help="MLP width: the trained units, then inert ones",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_speculative.json")
     args = parser.parse_args()
@@ -139,7 +146,7 @@ def main() -> None:
     args.model_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = mtp_checkpoint(args.model_dir)
     model_report = json.loads((checkpoint / "mtp_model.json").read_text())
-    if (args.num_layers, args.intermediate_size) != (4, 768):
+    if (args.num_layers, args.intermediate_size) != trained:
         checkpoint = inert_checkpoint(
             checkpoint,
             args.model_dir.with_name(f"{args.model_dir.name}-{args.num_layers}x{args.intermediate_size}"),

@@ -1,7 +1,8 @@
-"""Shared test utilities: left-padded random prompts and exporting a tiny checkpoint."""
+"""Shared test utilities: left-padded random prompts, exporting a tiny checkpoint, a free local port."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,10 @@ def assert_greedy_matches_reference(
                     f"{what}'s {int(reference.sequences[row, column])} (not a near-tie: gap {gap:.3g})"
                 )
                 break
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server or rendezvous a test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -29,6 +29,7 @@ from chat_model import (
     WEATHER_TOOL,
     train_chat_checkpoint,
 )
+from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
@@ -582,9 +583,7 @@ def test_health_is_503_until_the_model_is_loaded(model) -> None:
 
 def test_serve_command(checkpoint: Path) -> None:
     """`optimum-qwen36 serve CHECKPOINT`: exported on the fly (eager), served until interrupted."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--backend", "eager"]
     command += ["--port", str(port), "--served-model-name", "cli", "--sequence-length", "512"]
     command += ["--default-enable-thinking", "false", "--log-level", "warning"]

@@ -234,7 +234,8 @@ def test_a_grammar_constraint_is_rebuilt_in_another_process(tmp_path) -> None:
         copy.accept(token)
     with pytest.raises(TypeError, match="has accepted tokens"):
         pickle.dumps(original)
-    in_memory = StructuredOutput(load_qwen36_tokenizer(), len(tokenizer), tokenizer.eos_token_id)
-    in_memory.tokenizer.name_or_path = "not-a-directory"
+    built_in_memory = load_qwen36_tokenizer()
+    built_in_memory.name_or_path = "not-a-directory"
+    in_memory = StructuredOutput(built_in_memory, len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(TypeError, match="not loaded from a directory"):
         pickle.dumps(in_memory.json_constraint(schema, gate_token_id=None))

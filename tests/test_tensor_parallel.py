@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
-from helpers import export_eager, left_padded_prompts
+from helpers import export_eager, free_port, left_padded_prompts
 from safetensors.torch import load_file
 from transformers.generation.logits_process import LogitsProcessorList
 
@@ -248,14 +248,6 @@ def test_killed_worker_ends_the_model_with_a_clear_error(checkpoint: Path) -> No
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path, nodes: int) -> None:
     """One torchrun on one node with 2 processes, and the documented multi-node launch as 2 nodes of one
@@ -293,8 +285,11 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path, nodes: int) -> N
             "--rdzv-endpoint", endpoint, "--rdzv-id", "test", str(script),
         ]  # fmt: skip
         second = subprocess.Popen(multi_node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        result = subprocess.run(multi_node, capture_output=True, text=True, timeout=300)
-        second_out, second_err = second.communicate(timeout=60)
+        try:
+            result = subprocess.run(multi_node, capture_output=True, text=True, timeout=300)
+            second_out, second_err = second.communicate(timeout=60)
+        finally:
+            second.kill()  # never left running when the first launcher fails or times out
         assert second.returncode == 0, second_err[-3000:]
         # rank 0 (which prints) runs under one launcher or the other
         result.stdout += second_out

@@ -110,6 +110,9 @@ class StructuredOutput:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        # Where another process loads the same tokenizer from (a rebuilt constraint), if from a directory.
+        source = getattr(tokenizer, "name_or_path", None)
+        self._tokenizer_dir = str(Path(source).resolve()) if source and Path(source).is_dir() else None
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
 
@@ -139,11 +142,10 @@ class StructuredOutput:
         return self.constraint(self._grammar("lark", grammar), gate_token_id)
 
     def _grammar(self, kind: str, text: str) -> Grammar:
-        source = getattr(self.tokenizer, "name_or_path", None)
-        tokenizer_dir = str(Path(source).resolve()) if source and Path(source).is_dir() else None
-        return Grammar(kind, text, tokenizer_dir, len(self.tokenizer))
+        return Grammar(kind, text, self._tokenizer_dir, len(self.tokenizer))
 
     def constraint(self, grammar: Grammar, gate_token_id: int | None) -> GrammarConstraint:
+        """A fresh matcher for `grammar`; bad grammars are the client's error (HTTP 400)."""
         if not self.available:
             raise bad_request(
                 "Structured output needs llguidance, which is not installed: pip install llguidance.",

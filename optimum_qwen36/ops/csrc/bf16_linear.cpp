@@ -8,7 +8,8 @@
 // soon as more than one x row is multiplied). Weights with rows of kBlockedMinFeatures values or more go
 // kWeightRows rows at a time: each x slice is loaded once for those rows, and their accumulators' lanes are
 // summed together at the end, so a few x rows cost little more than one (one weight row at a time, the x
-// loads and the horizontal sums, not the memory, bound those rows); shorter rows stream faster one at a time.
+// loads and the horizontal sums, not the memory, bound those rows); shorter rows keep the one-row loop, which
+// measured faster for them at one to three x rows.
 // The path depends on the weight's shape only, and an output's arithmetic does not depend on how many x
 // rows it is computed with: a row's result is the same alone and in a batch. More rows (prefill) go to
 // ATen's matrix product (where there are no bf16 dot products for it, in float32 on tiles of widened weight
@@ -24,7 +25,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -187,19 +187,21 @@ void dot_rows_of(const bf16* w, const bf16* x, int64_t K, int rows, float* out, 
   dot_rows<G, W>(w, x, K, out, out_stride);
 }
 
+// y[:, m:m + W] for all N x rows, kRowGroup x rows at a time (the W weight rows stay in cache for the later
+// groups).
+template <int W>
+void weight_rows_times_x(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, int64_t m, float* y) {
+  for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
+    dot_rows_of<W>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)), y + n0 * M + m, M);
+}
+
 // y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows: kWeightRows weight rows at a time (the
 // rows left over one at a time, with the same arithmetic).
 void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
   at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
-    const auto rows_of = [&](auto block, int64_t m) {
-      // The weight rows stay in cache for the later groups of x rows.
-      for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
-        dot_rows_of<decltype(block)::value>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)),
-                                            y + n0 * M + m, M);
-    };
     int64_t m = begin;
-    for (; m + kWeightRows <= end; m += kWeightRows) rows_of(std::integral_constant<int, kWeightRows>{}, m);
-    for (; m < end; ++m) rows_of(std::integral_constant<int, 1>{}, m);
+    for (; m + kWeightRows <= end; m += kWeightRows) weight_rows_times_x<kWeightRows>(x, weight, N, M, K, m, y);
+    for (; m < end; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
   });
 }
 #endif
@@ -262,7 +264,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const auto* w_ptr = reinterpret_cast<const bf16*>(w.data_ptr());
 #ifdef QWEN36_BF16_AVX512
   // Whether weight rows go in blocks depends on the weight's shape only, so a row's result does not depend
-  // on the batch (short weight rows stream faster one at a time: benchmarks/bench_matvec.py).
+  // on the batch (short weight rows measured faster one at a time, at one to three x rows).
   if (K >= kBlockedMinFeatures) {
     stream_row_blocks(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
   } else {
