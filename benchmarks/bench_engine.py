@@ -19,13 +19,15 @@ Methods, on one exported model (the same compiled graphs, batch `--batch-size`):
 Per run: total time, output tok/s, and over the requests TTFT (arrival to first token) and TPOT (time per
 output token after the first) p50 / p99. Methods alternate run by run (`--repeats`); the JSON keeps every
 run and min / median / max. Also checked: each request's tokens are the same from the engine and from
-static generate (`same_tokens`).
+static generate (`same_tokens`). With `burst`, each round also times the `prefill floor`: the engine
+prefilling every prompt and giving each its first token only. No scheduler finishes the workload sooner,
+so static generate's total over it (`static_total_over_floor`) bounds what any engine can gain on it.
 
 Default model: bench_generate.py's random 0.75B model (24 layers) in bfloat16 (`--dtype float32` for the
 float32 one).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py                       # the full workload
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_engine.py --layers 4 --requests 16 \\
+    python benchmarks/bench_engine.py                                               # the full workload
+    python benchmarks/bench_engine.py --layers 4 --requests 16 \\
         --prompt-tokens 64 512 --output-tokens 16 64 --rate 1                        # a smaller one
     python benchmarks/bench_engine.py --vllm-python $HOME/.cache/qwen36-peers/vllm-venv/bin/python \\
         --vllm-env ../shared/peers/vllm_env.sh
@@ -36,6 +38,7 @@ Writes benchmarks/results/bench_engine.json and .png (or --output and its .png) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
@@ -53,6 +56,7 @@ from optimum_qwen36.engine import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE, STATIC, VLLM = "engine", "static generate", "vllm"
+PREFILL_FLOOR = "prefill floor"
 
 
 @dataclass
@@ -103,6 +107,12 @@ def run_engine(model: NeuronQwen36ForCausalLM, works: list[Work]) -> list[Served
         Served(works[i].arrival_s, [t - start for t in requests[i].token_times], requests[i].output_ids)
         for i in range(len(works))
     ]
+
+
+def prefill_floor(model: NeuronQwen36ForCausalLM, works: list[Work]) -> float:
+    """Seconds the engine takes to prefill every prompt of a burst and give each its first token only."""
+    firsts = [dataclasses.replace(w, output_tokens=1, arrival_s=0.0) for w in works]
+    return max(s.token_s[-1] for s in run_engine(model, firsts))
 
 
 class StepTimes:
@@ -223,6 +233,10 @@ def table(report: dict) -> str:
             if "skipped" in m:
                 lines.append(f"| {pattern} | {method} | skipped: {m['skipped']} | | | |")
                 continue
+            if method == PREFILL_FLOOR:
+                total = fmt(m["total_s"])
+                lines.append(f"| {pattern} | {method}: prompts and first tokens only | | {total} | | |")
+                continue
             latency = f"{fmt(m['ttft_p50_s'], 2)} / {fmt(m['ttft_p99_s'], 2)}" if "ttft_p50_s" in m else "n/a"
             per_token = (
                 f"{m['tpot_p50_s']['median'] * 1e3:.0f} / {m['tpot_p99_s']['median'] * 1e3:.0f}"
@@ -235,6 +249,10 @@ def table(report: dict) -> str:
             )
     for pattern, ratio in report["engine_over_static"].items():
         lines.append(f"\nengine / static generate output tok/s ({pattern}, per round): {fmt(ratio, 2)}x")
+        floor = report["results"][pattern].get(PREFILL_FLOOR)
+        if floor:
+            ceiling = fmt(floor["static_total_over_floor"], 2)
+            lines.append(f"static generate total / prefill floor ({pattern}, per round): {ceiling}x")
     return "\n".join(lines)
 
 
@@ -309,11 +327,14 @@ def main() -> None:
             run_engine(model, works[:2])  # warm-up of both paths (first calls allocate)
             run_static(model, works[:2], args.batch_size)
             runs: dict[str, list[dict]] = {ENGINE: [], STATIC: []}
+            floors: list[float] = []
             for _ in range(args.repeats):
                 engine_served = run_engine(model, works)
                 static_served = run_static(model, works, args.batch_size)
                 runs[ENGINE].append(metrics(engine_served))
                 runs[STATIC].append(metrics(static_served))
+                if pattern == "burst":
+                    floors.append(prefill_floor(model, works))
                 # Over every repeat, not only the last one.
                 same_tokens[pattern] = same_tokens.get(pattern, True) and all(
                     a.tokens == b.tokens for a, b in zip(engine_served, static_served, strict=True)
@@ -324,6 +345,16 @@ def main() -> None:
             ratios[pattern] = spread(
                 [a["output_tok_per_s"] / b["output_tok_per_s"] for a, b in zip(*runs.values(), strict=True)]
             )
+            if floors:
+                results[pattern][PREFILL_FLOOR] = {
+                    "total_s": spread(floors),
+                    # No scheduler finishes the workload faster than its prompts prefill: the most any can
+                    # gain on static generate's output throughput, per round.
+                    "static_total_over_floor": spread(
+                        [r["total_s"] / f for r, f in zip(runs[STATIC], floors, strict=True)]
+                    ),
+                    "runs": floors,
+                }
             if pattern == "burst":
                 if args.vllm_python:
                     vllm = run_vllm(checkpoint, works, args)

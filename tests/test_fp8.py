@@ -169,6 +169,25 @@ def test_fp8_linear_equals_dequantized_linear(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,block", [((301, 2100), (128, 128)), ((257, 320), (64, 64)), ((66, 96), (64, 32))]
+)
+def test_fp8_linear_rows_do_not_depend_on_the_batch(
+    dtype: torch.dtype, shape: tuple[int, int], block: tuple[int, int]
+) -> None:
+    """Up to 8 rows (decode and verify steps, which stream the weight once), a row's output is bitwise the
+    same alone and with the others: blocks of weight rows and their remainder, whole 64-value slices and a
+    scalar tail, the bf16 byte-table path and the float32 one. Batch invariance of FP8 decode rests on it."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    generator = torch.Generator().manual_seed(shape[0])
+    q, scale = quantize_fp8(torch.randn(shape, generator=generator), block)
+    x = torch.randn(8, shape[1], generator=generator).to(dtype)
+    alone = torch.cat([fp8_linear(row[None], q, scale, block) for row in x])
+    for rows in range(2, 9):
+        assert torch.equal(fp8_linear(x[:rows], q, scale, block), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_kernel_takes_zero_rows(dtype: torch.dtype) -> None:
     assert load_native_ops(), "the native CPU kernel should build on this machine"
     q, scale = quantize_fp8(torch.randn(256, 128), (128, 128))

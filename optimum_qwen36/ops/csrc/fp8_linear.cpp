@@ -6,7 +6,8 @@
 // of bf16's traffic. bfloat16 x on a CPU with AVX-512 BF16 and VBMI: 64 bytes at a time become bf16 through
 // two 128-entry byte tables (vpermi2b: the low and the high byte of each value's bf16 bits, exact for every
 // e4m3 value) and meet x in vdpbf16ps, as bf16_linear streams bf16 weights. Otherwise (float32 x, or no
-// such CPU) each byte is widened to float32 (AVX2 + F16C) and multiplied in float32 FMAs. More rows
+// such CPU) each byte is widened to float32 (AVX2 + F16C) and multiplied in float32 FMAs. Either way a row
+// of x gets the same result alone and in a batch. More rows
 // (prefill): the weight is dequantized one tile of output features at a time, in x's dtype (bf16 through the
 // same tables where built), and multiplied with ATen's matrix kernel.
 #include <ATen/ATen.h>
@@ -166,8 +167,9 @@ at::Tensor x_in_slice_order(const at::Tensor& x) {
 // out[g][m] for G bf16 rows of x (row stride K, in slice order) against weight row m: 64 bytes at a time
 // turned into two vectors of 32 bf16 values (e4m3x64_to_bf16), dot products summed in float32 per column
 // block and scaled once per block. Whole 64-value slices inside a block run vectorized (block_cols % 64 == 0), the rest is
-// scalar. Up to 4 rows, two accumulators per x row: a dot product's latency, not the loads, would bound a
-// single chain; more rows are enough chains, and 8 rows with two each would not fit in the 32 registers.
+// scalar. One chain of dot products per x row, whatever G: a row's arithmetic does not depend on how many
+// rows share the pass, so a row of x gets the same result alone and in a batch (batch-invariant decode).
+// Two chains per row for small G (to hide the dot product's latency) measured no faster than one.
 template <int G>
 inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, const bf16* x, int64_t K,
                                 int64_t block_cols, float* out, int64_t out_stride) {
@@ -177,10 +179,8 @@ inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, co
   for (int g = 0; g < G; ++g) total[g] = _mm512_setzero_ps();
   for (int64_t k0 = 0, block = 0; k0 < K; k0 += block_cols, ++block) {
     const int64_t k1 = std::min(K, k0 + block_cols);
-    constexpr bool kTwoChains = G <= 4;
-    __m512 even[G], odd[kTwoChains ? G : 1];
-    for (int g = 0; g < G; ++g) even[g] = _mm512_setzero_ps();
-    for (auto& chain : odd) chain = _mm512_setzero_ps();
+    __m512 chain[G];
+    for (int g = 0; g < G; ++g) chain[g] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kPrefetchBytes, _MM_HINT_T0);
@@ -188,9 +188,8 @@ inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, co
       e4m3x64_to_bf16(w_row + k, tables, first, second);
       const __m512bh w0 = (__m512bh)first, w1 = (__m512bh)second;
       for (int g = 0; g < G; ++g) {
-        even[g] = _mm512_dpbf16_ps(even[g], w0, (__m512bh)_mm512_loadu_si512(x + g * K + k));
-        __m512& chain = kTwoChains ? odd[g] : even[g];
-        chain = _mm512_dpbf16_ps(chain, w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
+        chain[g] = _mm512_dpbf16_ps(chain[g], w0, (__m512bh)_mm512_loadu_si512(x + g * K + k));
+        chain[g] = _mm512_dpbf16_ps(chain[g], w1, (__m512bh)_mm512_loadu_si512(x + g * K + k + 32));
       }
     }
     float partial[G] = {};
@@ -201,8 +200,7 @@ inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, co
     const float scale = scale_row[block];
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int g = 0; g < G; ++g) {
-      const __m512 block_sum = kTwoChains ? _mm512_add_ps(even[g], odd[g]) : even[g];
-      total[g] = _mm512_fmadd_ps(block_sum, scale_v, total[g]);
+      total[g] = _mm512_fmadd_ps(chain[g], scale_v, total[g]);
       tail[g] += partial[g] * scale;
     }
   }
