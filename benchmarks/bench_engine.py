@@ -279,10 +279,8 @@ def chart(report: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and its requests (profile_engine.py times the same workload)."""
     parser.add_argument("--model", help="a checkpoint (default: a random model of --layers layers)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -290,34 +288,62 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 2048], metavar=("MIN", "MAX"))
     parser.add_argument("--output-tokens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    parser.add_argument("--rate", type=float, default=0.5, help="poisson arrivals per second (default 0.5)")
     parser.add_argument("--batch-size", type=int, default=8, help="compiled batch = engine slots (default 8)")
     parser.add_argument("--prefill-chunk-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--patterns", nargs="+", default=["burst", "poisson"], choices=["burst", "poisson"])
     parser.add_argument(
         "--compile-cache-dir", type=Path, help="reuse compilations across runs of this script"
     )
+
+
+def workload_model(args: argparse.Namespace, tmp: Path) -> tuple[Path, NeuronQwen36ForCausalLM]:
+    """The checkpoint (--model, or a random one written under tmp) and the model exported for the workload."""
+    dtype = getattr(torch, args.dtype)
+    checkpoint = Path(args.model) if args.model else random_checkpoint(tmp / "ckpt", args.layers, dtype)
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint,
+        export=True,
+        backend=args.backend,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        sequence_length=max_len(args),
+        prefill_chunk_size=args.prefill_chunk_size,
+        compile_cache_dir=args.compile_cache_dir,
+    )
+    return checkpoint, model
+
+
+def workload_report(args: argparse.Namespace) -> dict:
+    """What a report says of its run, model and workload."""
+    return {
+        "command": command_line(),
+        "machine": machine(),
+        "model": args.model or f"random {args.layers}-layer Qwen3.6-shaped model ({args.dtype})",
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "prefill_chunk_size": args.prefill_chunk_size,
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "seed": args.seed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_arguments(parser)
+    parser.add_argument("--rate", type=float, default=0.5, help="poisson arrivals per second (default 0.5)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--patterns", nargs="+", default=["burst", "poisson"], choices=["burst", "poisson"])
     add_vllm_arguments(parser)
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_engine.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        dtype = getattr(torch, args.dtype)
-        checkpoint = (
-            Path(args.model) if args.model else random_checkpoint(Path(tmp) / "ckpt", args.layers, dtype)
-        )
-        model = NeuronQwen36ForCausalLM.from_pretrained(
-            checkpoint,
-            export=True,
-            backend=args.backend,
-            dtype=args.dtype,
-            batch_size=args.batch_size,
-            sequence_length=max_len(args),
-            prefill_chunk_size=args.prefill_chunk_size,
-            compile_cache_dir=args.compile_cache_dir,
-        )
+        checkpoint, model = workload_model(args, Path(tmp))
         vocab = model.config.vocab_size
         results: dict[str, dict] = {}
         ratios: dict[str, dict] = {}
@@ -372,18 +398,8 @@ def main() -> None:
                     results[pattern][VLLM] = {"skipped": reason}
 
     report = {
-        "command": command_line(),
-        "machine": machine(),
-        "model": args.model or f"random {args.layers}-layer Qwen3.6-shaped model ({args.dtype})",
-        "backend": args.backend,
-        "dtype": args.dtype,
-        "batch_size": args.batch_size,
-        "prefill_chunk_size": args.prefill_chunk_size,
-        "requests": args.requests,
-        "prompt_tokens": args.prompt_tokens,
-        "output_tokens": args.output_tokens,
+        **workload_report(args),
         "poisson_rate_per_s": args.rate,
-        "seed": args.seed,
         "repeats": args.repeats,
         "results": results,
         "engine_over_static": ratios,

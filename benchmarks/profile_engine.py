@@ -20,11 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_engine import max_len, run_engine, workload
-from bench_generate import random_checkpoint
-from timing import command_line, machine
+from bench_engine import add_workload_arguments, run_engine, workload, workload_model, workload_report
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,29 +65,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", help="a checkpoint (default: a random model of --layers layers)")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[64, 2048], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-tokens", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--prefill-chunk-size", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--output", type=Path, default=RESULTS / "profile_engine.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="profile-engine-") as tmp:
-        dtype = getattr(torch, args.dtype)
-        checkpoint = args.model or random_checkpoint(Path(tmp) / "ckpt", args.layers, dtype)
-        model = NeuronQwen36ForCausalLM.from_pretrained(
-            checkpoint,
-            export=True,
-            dtype=args.dtype,
-            batch_size=args.batch_size,
-            sequence_length=max_len(args),
-            prefill_chunk_size=args.prefill_chunk_size,
-        )
+        _, model = workload_model(args, Path(tmp))
         works = workload(args, model.config.vocab_size, "burst")
         run_engine(model, works[:2])  # warm-up (first calls allocate)
         with CallTimes() as timed:
@@ -99,14 +79,7 @@ def main() -> None:
             total = time.perf_counter() - start
     in_calls = timed.calls["prefill"]["seconds"] + timed.calls["decode"]["seconds"]
     report = {
-        "command": command_line(),
-        "machine": machine(),
-        "model": args.model or f"random {args.layers}-layer Qwen3.6-shaped model ({args.dtype})",
-        "requests": args.requests,
-        "prompt_tokens": args.prompt_tokens,
-        "output_tokens": args.output_tokens,
-        "batch_size": args.batch_size,
-        "prefill_chunk_size": args.prefill_chunk_size,
+        **workload_report(args),
         "total_s": total,
         "generated_tokens": sum(len(s.tokens) for s in served),
         "calls": dict(sorted(timed.calls.items())),
