@@ -16,7 +16,7 @@ Measures, in one run:
 - with `--llama-bench BIN --gguf q8_0=FILE ...` (or $LLAMA_BENCH): llama.cpp's `llama-bench` on GGUF files
   of the same checkpoint (prefill at the same prompt lengths, decode of --decode-steps tokens, batch 1, same
   threads); without them the JSON and the table say it was skipped. `--write-checkpoint DIR` writes the
-  default random checkpoint (with tokenizer files) for the GGUF converter and exits;
+  default random checkpoint (with the tokenizer files and chat template) for the GGUF converter and exits;
 - with `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON; `--vllm-env SCRIPT` is sourced first, e.g.
   ../shared/peers/vllm_env.sh): vLLM-CPU's offline `LLM.generate` on the same token ids (prefill at each
   length, decode at batch 1 and the compiled batch), after ours; else said skipped. The table gives ours
@@ -49,7 +49,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -76,7 +75,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextCo
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.neuron_config import FP8_MODULE_SETS
-from optimum_qwen36.tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
+from optimum_qwen36.tokenizer import save_qwen36_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS, THEIRS = "ours", "transformers eager"
@@ -584,8 +583,8 @@ def main() -> None:
     started = time.perf_counter()
     if args.write_checkpoint:
         random_checkpoint(args.write_checkpoint, args.layers, dtype)
-        for name in ("tokenizer.json", "tokenizer_config.json"):  # the GGUF converter needs them
-            shutil.copyfile(SHIPPED_TOKENIZER_DIR / name, args.write_checkpoint / name)
+        # The GGUF converter needs the tokenizer files, chat clients (bench_serving.py) the chat template.
+        save_qwen36_tokenizer(args.write_checkpoint)
         print(f"wrote {args.write_checkpoint}")
         return
 
