@@ -1,5 +1,6 @@
 """Where the continuous-batching engine's time goes on bench_engine.py's burst workload: its model runner's
-prefill and decode calls (count, seconds, tokens; decode calls by their number of rows) and the rest of
+prefill, packed prefill and decode calls (count, seconds, tokens; decode calls by their number of rows,
+packed calls with the number of their one-token sequences, i.e. decode rows riding along) and the rest of
 each step (scheduling, sampling, detokenising), over one engine run after a warm-up.
 
     python benchmarks/profile_engine.py --model /tmp/ckpt      # bench_generate.py --write-checkpoint
@@ -28,13 +29,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class CallTimes:
-    """Times ModelRunner.prefill and .decode while installed (class attributes: every engine's runner)."""
+    """Times ModelRunner.prefill, .prefill_packed and .decode while installed (class attributes: every
+    engine's runner)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, dict[str, float]] = defaultdict(
             lambda: {"calls": 0, "seconds": 0.0, "tokens": 0}
         )
-        self._originals = {name: getattr(ModelRunner, name) for name in ("prefill", "decode")}
+        names = ("prefill", "prefill_packed", "decode")
+        self._originals = {name: getattr(ModelRunner, name) for name in names}
 
     def _timed(self, name: str, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def call(runner: ModelRunner, tokens: Any, *args: Any) -> torch.Tensor:
@@ -42,11 +45,15 @@ class CallTimes:
             out = original(runner, tokens, *args)
             seconds = time.perf_counter() - start
             keys = [name] + ([f"decode of {len(tokens)} row(s)"] if name == "decode" else [])
+            count = sum(len(chunk.tokens) for chunk in tokens) if name == "prefill_packed" else len(tokens)
             for key in keys:
                 entry = self.calls[key]
                 entry["calls"] += 1
                 entry["seconds"] += seconds
-                entry["tokens"] += len(tokens)
+                entry["tokens"] += count
+            if name == "prefill_packed":
+                self.calls[name].setdefault("one_token_sequences", 0)
+                self.calls[name]["one_token_sequences"] += sum(len(chunk.tokens) == 1 for chunk in tokens)
             return out
 
         return call
@@ -77,7 +84,7 @@ def main() -> None:
             start = time.perf_counter()
             served = run_engine(model, works)
             total = time.perf_counter() - start
-    in_calls = timed.calls["prefill"]["seconds"] + timed.calls["decode"]["seconds"]
+    in_calls = sum(entry["seconds"] for name, entry in timed.calls.items() if " of " not in name)
     report = {
         **workload_report(args),
         "total_s": total,

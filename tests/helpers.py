@@ -41,11 +41,12 @@ class CountingBackend:
         self.device = backend.device
         self.decodes_any_batch = backend.decodes_any_batch
         self.min_step_rows = backend.min_step_rows
+        self.packs_prefill = backend.packs_prefill
         self.prefill_tokens = 0
         self.decode_steps = 0
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
-        self.prefill_tokens += int(args[2])
+        self.prefill_tokens += int(args[2].sum())
         return self.backend.prefill_chunk(*args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:

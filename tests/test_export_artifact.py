@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,23 @@ def test_compile_key_changes_with_the_graph_source(monkeypatch: pytest.MonkeyPat
     key = compile_key(model, settings, "cpu")
     monkeypatch.setattr(compile_cache, "graph_source_digest", lambda: "edited model code")
     assert compile_key(model, settings, "cpu") != key
+
+
+def test_the_graph_source_covers_every_module_the_model_imports() -> None:
+    """Every op module the model's code has loaded (attention, conv, GDN, FP8, the NKI kernels' PyTorch
+    twins) is part of the compile key's graph source: editing any of them recompiles."""
+    from optimum_qwen36.modeling import qwen36  # noqa: F401  (loads the ops it calls)
+
+    hashed = {path.resolve() for path in compile_cache.graph_sources()}
+    ops = [
+        module
+        for name, module in sys.modules.items()
+        if name.startswith("optimum_qwen36.ops.")
+        or (name.startswith("optimum_qwen36.nki.kernels.") and name.endswith("_torch"))
+    ]
+    assert any(module.__name__ == "optimum_qwen36.ops.conv" for module in ops)
+    for module in ops:
+        assert Path(module.__file__).resolve() in hashed, f"{module.__name__} is not in the compile key"
 
 
 def test_compile_cache_store_lookup_corrupt_and_clear(tmp_path: Path) -> None:

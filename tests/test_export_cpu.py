@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import save_tiny_checkpoint
 from helpers import StubHubRepo, left_padded_prompts
+from test_packed_prefill import assert_packed_equals_one_per_call
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
@@ -91,7 +92,7 @@ def test_graphs_of_the_pytorch_twins_equal_transformers(exported, tmp_path: Path
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="cpu", compile_cache_dir=tmp_path, **SETTINGS
     )
-    assert not model.backend.prefill_takes_any_tokens
+    assert not model.backend.packs_prefill
     input_ids, mask = left_padded_prompts(PROMPT_LENGTHS, seed=1)
     hf = reference.generate(
         input_ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
@@ -491,7 +492,7 @@ def test_prefill_computes_only_the_valid_tokens(
             assert torch.equal(trimmed.sequences, hf)
     finally:
         model.backend.graphs = graphs
-    if model.backend.prefill_takes_any_tokens:
+    if model.backend.packs_prefill:
         assert seen == {5: [5], 33: [16, 16, 2]}
     else:
         assert seen == {5: [16], 33: [16, 16, 16]}
@@ -503,9 +504,18 @@ def test_a_saved_artifact_prefills_as_its_export_decided(
     """Whether the prefill graphs take any token count is recorded at export: loaded where this CPU's
     build would decide otherwise, the artifact still runs its graphs as they were compiled."""
     _, _, _, model, saved = exported
-    recorded = model.backend.prefill_takes_any_tokens
+    recorded = model.backend.packs_prefill
     assert (saved / backends.COMPILED_DIR / backends.STEP_SHAPES).is_file()
     monkeypatch.setattr(backends, "prefill_takes_any_tokens", lambda *args, **kwargs: not recorded)
     loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
-    assert loaded.backend.prefill_takes_any_tokens == recorded
+    assert loaded.backend.packs_prefill == recorded
     assert torch.equal(_greedy(loaded), _greedy(model))
+
+
+def test_packed_prefill_on_the_compiled_graphs(exported, no_compilation) -> None:
+    """Where the prefill graphs pack sequences (the native varlen ops), three sequences' chunks in one call
+    compute each sequence's logits, KV and GDN states as one call per chunk does."""
+    _, _, _, model, _ = exported
+    if not model.backend.packs_prefill:
+        pytest.skip("these prefill graphs take one sequence per call (no native GDN chunk op here)")
+    assert_packed_equals_one_per_call(model, atol=1e-5)

@@ -223,7 +223,7 @@ def test_decode_runs_the_compiled_step_and_refuses_too_few_rows(
 
     monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
-    backend.prefill_takes_any_tokens = False
+    backend.packs_prefill = False
     backend.device = "cpu"
     backend.min_step_rows = 1 if "decode_row" in graphs else 2
     ran: list[tuple[str, int]] = []

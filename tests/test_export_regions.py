@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_text_config
 
-from optimum_qwen36.exporters.regions import layer_kinds, step_files
+from optimum_qwen36.exporters.regions import StepShapes, layer_kinds, step_files
 from optimum_qwen36.modeling.quantization import Fp8Quantization, replace_with_fp8_linears
 from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
 
@@ -24,12 +24,17 @@ def test_layers_of_one_type_share_one_region() -> None:
     model = tiny_model(num_hidden_layers=6, layer_types=[LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL])
     kinds = layer_kinds(model)
     assert [(kind.name, kind.layers) for kind in kinds] == [(LINEAR, (0, 2, 3, 4)), (FULL, (1, 5))]
-    assert step_files(model, "prefill_chunk") == [
-        f"prefill_chunk.{LINEAR}.pt2",
-        f"prefill_chunk.{FULL}.pt2",
-        "prefill_chunk.head.pt2",
-    ]
-    assert step_files(model, "decode_step")[-1] == "decode_step.head.pt2"
+    for packed in (False, True):
+        shapes = StepShapes(any_prefill_tokens=packed)
+        assert step_files(model, "prefill_chunk", shapes) == [
+            f"prefill_chunk.{LINEAR}.pt2",
+            f"prefill_chunk.{FULL}.pt2",
+            "prefill_chunk.head.pt2",
+        ]
+        assert step_files(model, "decode_step", shapes)[-1] == "decode_step.head.pt2"
+    # decode_row (a batch of one row) runs the one-sequence prefill's one-row head, not a packed one's
+    assert step_files(model, "decode_row", StepShapes())[-1] == "prefill_chunk.head.pt2"
+    assert step_files(model, "decode_row", StepShapes(any_prefill_tokens=True))[-1] == "decode_row.head.pt2"
     gdn = kinds[0].tensor_names
     assert "linear_attn.in_proj_qkv.weight" in gdn and "mlp.down_proj.weight" in gdn
     assert not any(name.startswith("self_attn.") for name in gdn)

@@ -142,7 +142,8 @@ def test_prefill_chunk_updates_the_slot_like_the_reference(
         **inputs, initial_state=states[layer, slot], use_qk_l2norm=True
     )
     cache = states.clone()
-    o = CHUNKS[name](*(inputs[n] for n in ("q", "k", "v", "g", "beta")), cache, layer, slot, k_dim**-0.5)
+    args = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    o = CHUNKS[name](*args, cache, layer, slot, None, k_dim**-0.5)
     assert max_rel_error(o, expected_o) <= 1e-5
     assert max_rel_error(cache[layer, slot], expected_state[:, 0]) <= 1e-5
     untouched = torch.ones(3, 5, dtype=torch.bool)
@@ -164,7 +165,7 @@ def test_prefill_chunk_padding_leaves_the_state_at_the_last_real_token(name: str
     expected_o, expected_state = reference_gated_delta_rule(
         **real, initial_state=states[0, slot], use_qk_l2norm=True
     )
-    o = CHUNKS[name](*(padded[n] for n in ("q", "k", "v", "g", "beta")), states, 0, slot, 32**-0.5)
+    o = CHUNKS[name](*(padded[n] for n in ("q", "k", "v", "g", "beta")), states, 0, slot, None, 32**-0.5)
     assert max_rel_error(o[:, :50], expected_o) <= 1e-5
     assert max_rel_error(states[0, slot], expected_state[:, 0]) <= 1e-5
 
@@ -187,7 +188,41 @@ def test_prefill_chunk_reads_slices_of_the_conv_output_in_place(name: str) -> No
     states = torch.randn(1, 2, 4, 32, 32, generator=torch.Generator().manual_seed(3))
     copies = states.clone()
     slot = torch.tensor([0])
-    o = CHUNKS[name](*sliced, inputs["g"], inputs["beta"], states, 0, slot, 32**-0.5)
+    o = CHUNKS[name](*sliced, inputs["g"], inputs["beta"], states, 0, slot, None, 32**-0.5)
     contiguous = (x.contiguous() for x in sliced)
-    expected = CHUNKS[name](*contiguous, inputs["g"], inputs["beta"], copies, 0, slot, 32**-0.5)
+    expected = CHUNKS[name](*contiguous, inputs["g"], inputs["beta"], copies, 0, slot, None, 32**-0.5)
     assert torch.equal(o, expected) and torch.equal(states, copies)
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+@pytest.mark.parametrize("shape", [(2, 6, 32, 48), (4, 4, 128, 128)], ids=["group3", "qwen"])
+def test_packed_prefill_equals_each_sequence_alone(name: str, shape: tuple[int, ...]) -> None:
+    """Sequences of 70, 1, 0, 130 and 3 tokens packed in one call (cu_seqlens), each in its own slot: each
+    one's output and state are those of the float64 reference on that sequence alone; other slots and
+    tokens after the last sequence (o = 0) are untouched."""
+    k_heads, v_heads, k_dim, v_dim = shape
+    lengths = [70, 1, 0, 130, 3]
+    inputs = make_gdn_inputs(
+        1, sum(lengths) + 5, k_heads, v_heads, k_dim, v_dim, seed=11, normalize_qk=False, a_log_max=4.0,
+        softplus_max=12.0,
+    )  # fmt: skip
+    states = torch.randn(2, 7, v_heads, k_dim, v_dim, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([4, 0, 6, 2, 5])
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    cache = states.clone()
+    args = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    o = CHUNKS[name](*args, cache, 1, slots, cu_seqlens, k_dim**-0.5)
+    for s, (first, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)):
+        if end == first:
+            assert torch.equal(cache[1, slots[s]], states[1, slots[s]])
+            continue
+        own = {n: t[:, first:end] for n, t in inputs.items()}
+        expected_o, expected_state = reference_gated_delta_rule(
+            **own, initial_state=states[1, slots[s : s + 1]], use_qk_l2norm=True
+        )
+        assert max_rel_error(o[:, first:end], expected_o) <= 1e-5
+        assert max_rel_error(cache[1, slots[s]], expected_state[0, 0]) <= 1e-5
+    assert torch.equal(o[:, sum(lengths) :], torch.zeros_like(o[:, sum(lengths) :]))
+    untouched = torch.ones(2, 7, dtype=torch.bool)
+    untouched[1, slots] = False
+    assert torch.equal(cache[untouched], states[untouched])

@@ -3,6 +3,8 @@ twin, and its use by the cpu backend's graphs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,7 +12,12 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
 from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.modeling.qwen36 import Qwen36Attention
-from optimum_qwen36.ops.attention import paged_attention_native, paged_attention_torch
+from optimum_qwen36.ops.attention import (
+    paged_attention_native,
+    paged_attention_torch,
+    paged_attention_varlen_native,
+    paged_attention_varlen_torch,
+)
 from optimum_qwen36.ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -98,6 +105,44 @@ def test_keys_a_query_cannot_see_change_nothing(dtype: torch.dtype) -> None:
     assert torch.equal(out, noisy)
 
 
+def _packed_case(dtype: torch.dtype) -> tuple:
+    """Sequences of 70, 1, 0, 33 and 1 queries at their own positions over their own scattered blocks, packed
+    along the tokens, plus 3 tokens after the last sequence."""
+    lengths, starts = [70, 1, 0, 33, 1], [0, 130, 5, 200, 9]
+    query, key_cache, value_cache, layer, block_tables, _, scale = _case(
+        len(lengths), 1, 8, 2, 128, 16, 24, starts, dtype=dtype, seed=3
+    )
+    generator = torch.Generator().manual_seed(5)
+    query = (3 * torch.randn(1, sum(lengths) + 3, 8, 128, generator=generator)).to(dtype)
+    positions = torch.cat([torch.arange(n) + start for n, start in zip(lengths, starts, strict=True)])
+    positions = torch.cat([positions, torch.zeros(3, dtype=torch.long)]).unsqueeze(0)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return query, key_cache, value_cache, layer, block_tables, cu_seqlens, positions, scale
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_sequences_attend_as_each_alone(dtype: torch.dtype) -> None:
+    """The varlen op on packed sequences (one of them empty) gives each sequence the batched op's output on
+    that sequence alone (bitwise: the same kernel per sequence), the twin's within rounding; tokens after
+    the last sequence get zeros."""
+    args = _packed_case(dtype)
+    query, key_cache, value_cache, layer, block_tables, cu_seqlens, positions, scale = args
+    native = paged_attention_varlen_native(*args)
+    twin = paged_attention_varlen_torch(*args)
+    bounds = cu_seqlens.tolist()
+    for s, (first, end) in enumerate(itertools.pairwise(bounds)):
+        if end > first:
+            alone = paged_attention_native(
+                query[:, first:end], key_cache, value_cache, layer, block_tables[s : s + 1],
+                positions[:, first:end], scale,
+            )  # fmt: skip
+            assert torch.equal(native[:, first:end], alone)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(native.float(), twin.float(), atol=tol, rtol=tol)
+    assert torch.equal(native[:, bounds[-1] :], torch.zeros_like(native[:, bounds[-1] :]))
+
+
 @needs_native
 def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) -> None:
     """The cpu backend traces attention as the native op (every step, any dtype); after compiling, the
@@ -111,14 +156,22 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
 
     args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
     model.model.set_kernels(
-        paged_attention_native, gdn_decode_step_native, gdn_prefill_chunk_native, gdn_verify_step_native
+        paged_attention_native,
+        paged_attention_varlen_native,
+        gdn_decode_step_native,
+        gdn_prefill_chunk_native,
+        gdn_verify_step_native,
     )
     try:
         with torch.no_grad():
             program = torch.export.export(_MethodAsForward(model.model, "prefill_chunk"), args, strict=False)
     finally:
         model.model.set_kernels(
-            paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch, gdn_verify_step_torch
+            paged_attention_torch,
+            paged_attention_varlen_torch,
+            gdn_decode_step_torch,
+            gdn_prefill_chunk_torch,
+            gdn_verify_step_torch,
         )
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)

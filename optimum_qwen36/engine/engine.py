@@ -1,9 +1,13 @@
 """The engine: continuous batching over a model's step backend, the only caller of that backend.
 
 `add_request` queues a prompt; `step` asks the scheduler for a plan (one token for every decoding request,
-prefill chunks for the rest of the token budget), runs it (one decode call over the decoding requests' slots,
-one prefill call per chunk), samples every request that has new logits in one vectorised pass, and returns
-what each request produced. `abort` frees a request's slot and blocks at once.
+prefill chunks for the rest of the token budget), runs it, samples every request that has new logits in one
+vectorised pass, and returns what each request produced. `abort` frees a request's slot and blocks at once.
+A step is one decode call over the decoding requests' slots, then its prefill chunks: packed into as few
+calls as the compiled chunk allows where the backend packs sequences (one pass over the weights for
+several requests' chunks), else one call per chunk. Decode rows stay in the decode call, whose linear layers
+stream the weights faster than the prefill graph's matrix products, and which computes a row the same way
+whatever else is running (docs/ARCHITECTURE.md says why they do not ride along with the prefill).
 
 With MTP speculative decoding (a model exported with `num_speculative_tokens` k), each decoding request
 verifies its drafts in the step: one verify call feeds every decoding request its last token and up to k
@@ -33,7 +37,7 @@ from ..modeling.cache import Qwen36HybridCache
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .request import FinishReason, Request, RequestOutput, RequestState
-from .runner import ModelRunner
+from .runner import ModelRunner, PackedChunk
 from .sampling import SamplingParams, SamplingRow, TokenConstraint, VerifiedToken, sample, verify_drafts
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .speculative import CatchUp, MTPDrafter
@@ -191,14 +195,23 @@ class Engine:
         elif plan.decodes:
             logits.append(self._decode(plan.decodes))
             rows += plan.decodes
+        packable = [c for c in plan.prefills if self._packable(c)]
         chunk_hidden: list[tuple[PrefillChunk, torch.Tensor]] = []
         for chunk in plan.prefills:
+            if chunk in packable:
+                continue
             chunk_logits, hidden = self._prefill(chunk)
             if hidden is not None:
                 chunk_hidden.append((chunk, hidden))
             if chunk.completes:
                 logits.append(chunk_logits)
                 rows.append(chunk.request)
+        for pack in self._packs(packable):
+            pack_logits = self._prefill_packed(pack)
+            for i, chunk in enumerate(pack):
+                if chunk.completes:
+                    logits.append(pack_logits[i : i + 1])
+                    rows.append(chunk.request)
         if rows:
             sampled = sample(torch.cat(logits), [self._sampling_row(r) for r in rows])
             for i, request in enumerate(rows):
@@ -256,6 +269,39 @@ class Engine:
         )
         for request in requests:
             self._computed(request, request.num_computed + 1)
+        return logits
+
+    def _packable(self, chunk: PrefillChunk) -> bool:
+        """Whether the chunk can share a prefill call: it needs only its last logits."""
+        return (
+            self.runner.backend.packs_prefill
+            and self.drafter is None
+            and not chunk.request.needs_prompt_logprobs
+        )
+
+    def _packs(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """The chunks in calls of at most one compiled chunk of tokens each, in plan order."""
+        packs: list[list[PrefillChunk]] = [[]]
+        size = 0
+        for chunk in chunks:
+            if packs[-1] and size + chunk.num_tokens > self.prefill_chunk_size:
+                packs.append([])
+                size = 0
+            packs[-1].append(chunk)
+            size += chunk.num_tokens
+        return packs if chunks else []
+
+    def _prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """One call over the chunks; the logits after each one's last token."""
+        sequences = []
+        for chunk in chunks:
+            request = chunk.request
+            tokens = request.token_ids[chunk.start : chunk.end]
+            table = self._table(request)
+            sequences.append(PackedChunk(tokens, chunk.start, self.scheduler.slot_of(request), table))
+        logits = self.runner.prefill_packed(sequences)
+        for chunk in chunks:
+            self._computed(chunk.request, chunk.end)
         return logits
 
     def _prefill(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,6 +2,8 @@
 (the engine's steps, and `generate()`'s rows), so the step arguments are built in one place.
 
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
+- `prefill_packed`: chunks of several sequences in one call (backends that `packs_prefill`), at most one
+  compiled chunk of tokens in all, each in its own slot: one pass over the weights for all of them.
 - `decode`: one token for each of some slots; a backend with a static batch (or fewer rows than its
   `min_step_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
   null block, and their logits are dropped. `verify` and `draft` are padded the same way.
@@ -13,11 +15,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..exporters.base import StepBackend
 from ..modeling.cache import Qwen36HybridCache
+
+
+@dataclass
+class PackedChunk:
+    """One sequence's part of a packed prefill: its tokens at positions start.., its GDN slot and its block
+    table [max_blocks]."""
+
+    tokens: Sequence[int] | torch.Tensor
+    start: int
+    slot: int
+    block_table: torch.Tensor
 
 
 class ModelRunner:
@@ -32,6 +46,27 @@ class ModelRunner:
         """Compute `tokens` (at most one chunk) at positions start.. of the sequence in `slot`, whose blocks
         are `block_table` [max_blocks]; returns the logits after the last one, [1, vocab]."""
         return self.backend.prefill_chunk(*self._prefill_args(tokens, start, slot, block_table))
+
+    def prefill_packed(self, chunks: Sequence[PackedChunk]) -> torch.Tensor:
+        """Compute several sequences' chunks (distinct slots, at most one compiled chunk of tokens in all) in
+        one call; returns the logits after each one's last token, [len(chunks), vocab]."""
+        if not self.backend.packs_prefill:
+            raise ValueError(f"the {self.backend.name} backend prefills one sequence per call")
+        tokens = [torch.as_tensor(chunk.tokens, dtype=torch.long) for chunk in chunks]
+        total = sum(len(t) for t in tokens)
+        if not 0 < total <= self.prefill_chunk_size or any(len(t) == 0 for t in tokens):
+            raise ValueError(
+                f"a packed prefill holds 1..{self.prefill_chunk_size} tokens in non-empty chunks, got "
+                f"{[len(t) for t in tokens]}"
+            )
+        return self.backend.prefill_chunk(
+            torch.cat(tokens).unsqueeze(0),
+            torch.tensor([chunk.start for chunk in chunks]),
+            torch.tensor([len(t) for t in tokens]),
+            torch.tensor([chunk.slot for chunk in chunks]),
+            torch.stack([chunk.block_table for chunk in chunks]),
+            *self.cache.step_tensors(),
+        )
 
     def prefill_hidden(
         self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor

@@ -28,7 +28,12 @@ from torch.overrides import TorchFunctionMode
 from ..modeling.cache import Qwen36HybridCache
 from ..modeling.qwen36 import Qwen36ForCausalLM
 from ..neuron_config import Qwen36NeuronConfig
-from ..ops.attention import paged_attention_native, paged_attention_torch
+from ..ops.attention import (
+    paged_attention_native,
+    paged_attention_torch,
+    paged_attention_varlen_native,
+    paged_attention_varlen_torch,
+)
 from ..ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -51,6 +56,7 @@ from .base import (
     StepBackend,
     blocks_in_use,
     example_step_args,
+    packed_prefill_args,
     rows_blocks_in_use,
 )
 from .compile_cache import CompileCache, compile_key
@@ -110,12 +116,16 @@ class AOTIBackend:
         if self.name == "cpu":
             load_native_ops()  # the graphs call its custom ops (attention; FP8 and bf16 linear layers)
 
+        shapes_file = files_dir / STEP_SHAPES
+        recorded = json.loads(shapes_file.read_text()) if shapes_file.is_file() else None
+        shapes = StepShapes(**recorded) if recorded is not None else StepShapes()
+
         def complete(step: str) -> bool:
-            return all((files_dir / f).is_file() for f in step_files(model, step))
+            return all((files_dir / f).is_file() for f in step_files(model, step, shapes))
 
         present = [step for step in STEPS if complete(step)]
         if "prefill_chunk" not in present or not {"decode_row", "decode_step"} & set(present):
-            files = step_files(model, "prefill_chunk") + step_files(model, "decode_step")
+            files = step_files(model, "prefill_chunk", shapes) + step_files(model, "decode_step", shapes)
             needed = ", ".join(dict.fromkeys(files))
             found = sorted(path.name for path in files_dir.glob("*.pt2"))
             raise FileNotFoundError(
@@ -123,11 +133,17 @@ class AOTIBackend:
                 f"needed: {needed}, or the decode_row ones for a batch of one row). Re-export the model with "
                 "from_pretrained(..., export=True)."
             )
+        if recorded is None:
+            raise FileNotFoundError(
+                f"{files_dir} lacks {STEP_SHAPES} (what its graphs take, recorded at export). Re-export "
+                "the model with from_pretrained(..., export=True)."
+            )
+        self.packs_prefill = shapes.any_prefill_tokens
         # A batch above one row runs every row in the batched steps: fewer rows are padded.
         self.min_step_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
         speculative_steps = SPECULATIVE_ROW_STEPS if self.min_step_rows == 1 else SPECULATIVE_BATCHED_STEPS
         if model.mtp is not None and not set(speculative_steps) <= set(present):
-            needed = ", ".join(f for step in speculative_steps for f in step_files(model, step))
+            needed = ", ".join(f for step in speculative_steps for f in step_files(model, step, shapes))
             raise FileNotFoundError(
                 f"{files_dir} lacks the verify and MTP graphs that num_speculative_tokens needs ({needed}). "
                 "Re-export the model with from_pretrained(..., export=True, num_speculative_tokens=...)."
@@ -140,21 +156,19 @@ class AOTIBackend:
             own = {name.removeprefix(prefix): t for name, t in extra.items() if name.startswith(prefix)}
             return CompiledGraph(files_dir / file, own, device)
 
-        self.graphs = {step: load_step(model, step, load, device) for step in present}
-        shapes_file = files_dir / STEP_SHAPES
-        if not shapes_file.is_file():
-            raise FileNotFoundError(
-                f"{files_dir} lacks {STEP_SHAPES} (what its graphs take, recorded at export). Re-export "
-                "the model with from_pretrained(..., export=True)."
-            )
-        self.prefill_takes_any_tokens = bool(json.loads(shapes_file.read_text())["any_prefill_tokens"])
+        self.graphs = {step: load_step(model, step, load, device, shapes) for step in present}
 
     def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        used = blocks_in_use(method, args, cut_tokens=self.prefill_takes_any_tokens)
+        used = blocks_in_use(method, args, cut_tokens=self.packs_prefill)
         return self.graphs[method](*self._on_device(used)).cpu()
 
+    def _prefill_args(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        used = blocks_in_use("prefill_chunk", args, cut_tokens=self.packs_prefill)
+        return self._on_device(packed_prefill_args(used) if self.packs_prefill else used)
+
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run("prefill_chunk", args)
+        sequences = args[3].numel()
+        return self.graphs["prefill_chunk"](*self._prefill_args(args)).cpu()[:sequences]
 
     def _step_graph(self, step: str, rows: int) -> str:
         """The graph of `step` (decode, verify or mtp) for a call with `rows` rows."""
@@ -168,10 +182,9 @@ class AOTIBackend:
     @torch.no_grad()
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.graphs["prefill_chunk"]
-        used = blocks_in_use("prefill_chunk", args, cut_tokens=self.prefill_takes_any_tokens)
-        hidden, inputs = step.decoder_output(*self._on_device(used))
-        logits = step.head(self.model.last_valid(hidden, inputs.num_valid))
-        return logits.cpu(), self.model.model.norm(hidden).cpu()
+        hidden, inputs = step.decoder_output(*self._prefill_args(args))
+        logits = step.head(self.model.last_valid(hidden, inputs))
+        return logits.cpu()[: args[3].numel()], self.model.model.norm(hidden).cpu()
 
     @torch.no_grad()
     def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -234,10 +247,12 @@ class AOTIBackend:
             )
             staging = Path(tempfile.mkdtemp(prefix="optimum-qwen36-compile-"))
             try:
-                examples = example_step_args(neuron_config, make_cache(device), model.config.hidden_size)
-                graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 cpu_kernels = uses_cpu_kernels(backend)
                 shapes = StepShapes(any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels))
+                examples = example_step_args(
+                    neuron_config, make_cache(device), model.config.hidden_size, shapes.any_prefill_tokens
+                )
+                graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 _compile_graphs(model, graphs, staging, cpu_kernels=cpu_kernels, shapes=shapes)
                 if cache is not None:
                     entry = cache.store(key, staging, _describe(model, neuron_config))
@@ -263,10 +278,11 @@ def uses_cpu_kernels(device_type: str) -> bool:
 
 
 def prefill_takes_any_tokens(model: Qwen36ForCausalLM, cpu_kernels: bool) -> bool:
-    """Whether the prefill graphs take 2..chunk tokens (the chunk's valid ones) rather than a whole chunk:
-    where the GDN layers' chunked delta rule is the native op (cpu, its vector build, head sizes it takes).
-    The PyTorch form (cuda, other CPUs) walks 64-token blocks in Python, so its export would specialise
-    the token count. Decided at export and recorded with the graphs (`STEP_SHAPES`)."""
+    """Whether the prefill graphs take 2..chunk tokens of packed sequences (each chunk's valid tokens,
+    several running requests' chunks in one call) rather than one sequence's whole chunk: where the GDN
+    layers' chunked delta rule is the native op (cpu, its vector build, head sizes it takes). The PyTorch
+    form (cuda, other CPUs) walks 64-token blocks in Python, so its export would specialise the token
+    count. Decided at export and recorded with the graphs (`STEP_SHAPES`)."""
     config = model.config
     return (
         cpu_kernels
@@ -304,7 +320,13 @@ def _compile_graphs(
     if cpu_kernels and load_native_ops():
         # The chunked delta rule's scalar build is slower than the compiled PyTorch twin.
         chunk_step = gdn_prefill_chunk_native if gdn_prefill_vectorized() else gdn_prefill_chunk_torch
-        model.set_kernels(paged_attention_native, gdn_decode_step_native, chunk_step, gdn_verify_step_native)
+        model.set_kernels(
+            paged_attention_native,
+            paged_attention_varlen_native,
+            gdn_decode_step_native,
+            chunk_step,
+            gdn_verify_step_native,
+        )
     try:
         extra = compile_regions(
             model,
@@ -315,7 +337,11 @@ def _compile_graphs(
         )
     finally:
         model.set_kernels(
-            paged_attention_torch, gdn_decode_step_torch, gdn_prefill_chunk_torch, gdn_verify_step_torch
+            paged_attention_torch,
+            paged_attention_varlen_torch,
+            gdn_decode_step_torch,
+            gdn_prefill_chunk_torch,
+            gdn_verify_step_torch,
         )
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)

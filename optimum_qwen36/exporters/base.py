@@ -14,7 +14,8 @@ from ..neuron_config import Qwen36NeuronConfig
 
 
 class StepBackend(Protocol):
-    """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results)."""
+    """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results).
+    `packs_prefill`: whether prefill_chunk takes several sequences packed in one call (else one)."""
 
     name: str
     # Where the cache tensors must live (the steps update them in place there).
@@ -24,6 +25,7 @@ class StepBackend(Protocol):
     # slot and the null block).
     decodes_any_batch: bool
     min_step_rows: int
+    packs_prefill: bool
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
 
@@ -44,12 +46,14 @@ class StepBackend(Protocol):
         """Write what a saved model needs to run this backend without compiling (under directory)."""
 
 
-# The fewest tokens a prefill graph takes, block-table columns a step passes and rows a batched step takes:
-# Inductor compiles dynamic sizes for 2 and up (`regions._dims`), so a one-token chunk runs padded to 2
-# tokens, a one-block table passes a second (masked-out) column, and one row decodes padded to two.
+# The fewest tokens a prefill graph takes, block-table columns a step passes, rows a batched step takes and
+# sequences a packed prefill graph takes: Inductor compiles dynamic sizes for 2 and up (`regions._dims`), so
+# a one-token chunk runs padded to 2 tokens, a one-block table passes a second (masked-out) column, one row
+# decodes padded to two, and one sequence prefills beside an empty one (`packed_prefill_args`).
 MIN_PREFILL_TOKENS = 2
 MIN_TABLE_BLOCKS = 2
 MIN_BATCH_ROWS = 2
+MIN_PACKED_SEQUENCES = 2
 
 
 def blocks_in_use(
@@ -62,13 +66,34 @@ def blocks_in_use(
     prompt or a prompt's last chunk does not pay for a whole padded chunk; padded tokens change nothing)."""
     block_size = args[-4].shape[2]  # key_cache [attention layers, blocks, block_size, heads, head_dim]
     if method == "prefill_chunk":
-        input_ids, start_pos, num_valid, slot, block_table, *caches = args
-        used = table_width(-(-(int(start_pos) + int(num_valid)) // block_size), len(block_table))
-        tokens = input_ids[:, : max(int(num_valid), MIN_PREFILL_TOKENS)] if cut_tokens else input_ids
-        return (tokens, start_pos, num_valid, slot, block_table[:used], *caches)
+        input_ids, start_pos, num_valid, slots, block_tables, *caches = args
+        end = int((start_pos + num_valid).max())
+        used = table_width(-(-end // block_size), block_tables.shape[-1])
+        total = max(int(num_valid.sum()), MIN_PREFILL_TOKENS)
+        tokens = input_ids[:, :total] if cut_tokens else input_ids
+        return (tokens, start_pos, num_valid, slots, block_tables[..., :used].contiguous(), *caches)
     input_ids, positions, slots, block_tables, *caches = args
     used = table_width(int(positions.max()) // block_size + 1, block_tables.shape[1])
     return (input_ids, positions, slots, block_tables[:, :used].contiguous(), *caches)
+
+
+def packed_prefill_args(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A prefill call (cut to its tokens: `blocks_in_use`) as packed prefill graphs take it: per-sequence
+    [S] arguments and [S, width] tables, with an empty sequence added where there is one only (or padding
+    tokens for a call of one token) in the cache's scratch slot and the null block, whose results nobody
+    reads."""
+    input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state, state = args
+    start_pos, num_valid, slots = start_pos.reshape(-1), num_valid.reshape(-1), slots.reshape(-1)
+    block_tables = block_tables.reshape(len(slots), -1)
+    total = int(num_valid.sum())
+    if len(slots) < MIN_PACKED_SEQUENCES or total < MIN_PREFILL_TOKENS:
+        padding = max(0, MIN_PREFILL_TOKENS - total)
+        input_ids = torch.nn.functional.pad(input_ids[:, :total], (0, padding))
+        start_pos = torch.cat([start_pos, start_pos.new_zeros(1)])
+        num_valid = torch.cat([num_valid, num_valid.new_full((1,), padding)])
+        slots = torch.cat([slots, slots.new_full((1,), conv_state.shape[1] - 1)])
+        block_tables = torch.cat([block_tables, block_tables.new_zeros((1, block_tables.shape[1]))])
+    return (input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state, state)
 
 
 def rows_blocks_in_use(
@@ -92,6 +117,7 @@ class EagerBackend:
     name = "eager"
     decodes_any_batch = True
     min_step_rows = 1
+    packs_prefill = True
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model
@@ -130,10 +156,14 @@ class EagerBackend:
 
 
 def example_step_args(
-    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache, hidden_size: int | None = None
+    neuron_config: Qwen36NeuronConfig,
+    cache: Qwen36HybridCache,
+    hidden_size: int | None = None,
+    packed_prefill: bool = False,
 ) -> dict[str, tuple[torch.Tensor, ...]]:
     """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch; the
-    speculative steps need the model's `hidden_size`)."""
+    speculative steps need the model's `hidden_size`; `packed_prefill`: prefill_chunk as packed prefill
+    graphs take it)."""
     chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
     device = cache.key_cache.device
 
@@ -148,6 +178,8 @@ def example_step_args(
         cache.block_tables[0].clone(),
         *cache.step_tensors(),
     )
+    if packed_prefill:
+        prefill = packed_prefill_args(prefill)
     decode = (
         torch.zeros((batch, 1), dtype=torch.long, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),

@@ -56,34 +56,34 @@ def default_cache_dir() -> Path:
     return Path(base) / "optimum-qwen36"
 
 
-@functools.cache
-def graph_source_digest() -> str:
-    """sha256 of the code the compiled graphs come from (the model, the GDN twins, and how this package
-    exports them): the package version does not change between development commits, so it alone would let
-    stale graphs be reused."""
+def graph_sources() -> list[Path]:
+    """The code the compiled graphs come from: the model, every op it calls (PyTorch forms and native
+    sources), the NKI twins, and how this package exports them."""
     from ..modeling import quantization, qwen36
     from ..nki import kernels
-    from ..ops import attention, fp8, gdn, native
+    from ..ops import native
 
     kernel_dir = Path(kernels.__file__).parent
-    sources = [
+    return [
         Path(qwen36.__file__),
         Path(quantization.__file__),
-        Path(fp8.__file__),
-        Path(attention.__file__),
-        Path(gdn.__file__),
-        Path(native.__file__),
+        *sorted(Path(native.__file__).parent.glob("*.py")),
         *native.FILES,
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
-        Path(__file__).parent / "aoti.py",
-        Path(__file__).parent / "backends.py",
-        Path(__file__).parent / "base.py",
-        Path(__file__).parent / "matvec.py",
-        Path(__file__).parent / "regions.py",
+        *(
+            Path(__file__).parent / name
+            for name in ("aoti.py", "backends.py", "base.py", "matvec.py", "regions.py")
+        ),
     ]
+
+
+@functools.cache
+def graph_source_digest() -> str:
+    """sha256 of `graph_sources`: the package version does not change between development commits, so it
+    alone would let stale graphs be reused."""
     digest = hashlib.sha256()
-    for path in sources:
+    for path in graph_sources():
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

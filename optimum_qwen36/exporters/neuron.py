@@ -157,6 +157,7 @@ class NeuronBackend:
     name = "neuron"
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
+    packs_prefill = False  # static shapes: one sequence's chunk per prefill call
 
     def __init__(
         self,

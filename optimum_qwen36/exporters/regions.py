@@ -9,9 +9,11 @@ different weights, and so do all attention layers. So each step (`prefill_chunk`
   run eagerly: a few small ops;
 - one graph per layer kind, whose inputs include the layer's weights and cache index, so one compiled graph
   serves every layer of its kind; the caches are updated in place as in a whole-model graph;
-- the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of one row, its
-  last valid token (`model.last_valid`, eager): prefill's head graph takes that one row, and decode_row
-  (a batch-1 export's decode) runs the same graph (`head_step`).
+- the head (final norm, lm_head: `model.decode_logits`). A prefill chunk's logits are those of each
+  sequence's last valid token (`model.last_valid`, eager): prefill's head graph takes those rows. Where the
+  prefill graphs take one sequence (static shapes), that is one row, and decode_row (a batch-1 export's
+  decode) runs the same graph (`head_step`); packed prefill graphs (`StepShapes.any_prefill_tokens`) take
+  2..batch + 1 sequences and have a head of their own.
 
 With MTP speculative decoding, `verify_step` is cut the same way (its GDN layers also write the speculative
 state tensors; its head, `model.verify_logits`, gives every position's logits and normed hidden state), and
@@ -38,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
 from .aoti import CompiledGraph, export_method
-from .base import MIN_BATCH_ROWS, MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
+from .base import MIN_BATCH_ROWS, MIN_PACKED_SEQUENCES, MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
 from .compile_workers import CompilePool, default_workers
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,11 @@ LAYER_FIELDS = {
     "linear_attention": ("slots", "valid", "num_valid", "conv_state", "recurrent_state"),
 }
 PREFILL_ONLY_FIELDS = ("valid", "num_valid")
+# A packed prefill step's layers read where its sequences start instead of which tokens are valid.
+PACKED_FIELDS = {
+    "full_attention": ("cu_seqlens",),
+    "linear_attention": ("cu_seqlens", "conv_heads", "conv_taps", "conv_tail"),
+}
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
@@ -57,6 +64,7 @@ HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
 # token, one row).
 HEAD_FUNCTION_OF = {
     "prefill_chunk": "decode_logits",
+    "decode_row": "decode_logits",
     "decode_step": "decode_logits",
     "verify_row": "verify_logits",
     "verify_step": "verify_logits",
@@ -77,15 +85,16 @@ BATCHED_STEPS = ("decode_step", "verify_step", "mtp_step")
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
     """What the graphs take beyond their example shapes. `any_prefill_tokens`: the prefill graphs take
-    2..chunk tokens (`_dims`)."""
+    2..chunk tokens of 2..batch + 1 sequences packed one after the other (`_dims`; a caller with one
+    sequence adds an empty one, `base.packed_prefill_args`)."""
 
     any_prefill_tokens: bool = False
 
 
-def head_step(step: str) -> str:
-    """Whose head graph `step` runs: decode_row's is prefill's, the same one-row program (compiled once: two
-    processes compiling one program at once would race on Inductor's cache)."""
-    return "prefill_chunk" if step == "decode_row" else step
+def head_step(step: str, shapes: StepShapes) -> str:
+    """Whose head graph `step` runs: decode_row's is the one-sequence prefill's, the same one-row program
+    (compiled once: two processes compiling one program at once would race on Inductor's cache)."""
+    return "prefill_chunk" if step == "decode_row" and not shapes.any_prefill_tokens else step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,19 +153,21 @@ def region_file(step: str, region: str) -> str:
     return f"{step}.{region}.pt2"
 
 
-def step_files(model: Qwen36ForCausalLM, step: str) -> list[str]:
+def step_files(model: Qwen36ForCausalLM, step: str, shapes: StepShapes) -> list[str]:
     """The packages a step runs: its layer kinds' and its head's (or its MTP graph)."""
     if step in MTP_STEPS:
         return [region_file(step, MTP)]
     layers = [region_file(step, kind.name) for kind in layer_kinds(model)]
-    return [*layers, region_file(head_step(step), HEAD)]
+    return [*layers, region_file(head_step(step, shapes), HEAD)]
 
 
-def layer_fields(layer_type: str, step: str) -> tuple[str, ...]:
+def layer_fields(layer_type: str, step: str, shapes: StepShapes) -> tuple[str, ...]:
     fields = LAYER_FIELDS[layer_type]
-    if step == "prefill_chunk":
+    if step == "prefill_chunk" and not shapes.any_prefill_tokens:
         return fields
     fields = tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
+    if step == "prefill_chunk":
+        return fields + PACKED_FIELDS[layer_type]
     return fields + VERIFY_FIELDS if step in VERIFY_STEPS and layer_type == "linear_attention" else fields
 
 
@@ -193,10 +204,10 @@ class _TensorsAsInputs(nn.Module):
         return torch.func.functional_call(self._call, tensors, args[:split])
 
 
-def layer_region(model: Qwen36ForCausalLM, kind: LayerKind, step: str) -> nn.Module:
+def layer_region(model: Qwen36ForCausalLM, kind: LayerKind, step: str, shapes: StepShapes) -> nn.Module:
     """A module running the kind's layers: arguments (hidden, *fields, cache_idx, *layer tensors)."""
     template: Qwen36DecoderLayer = model.model.layers[kind.layers[0]]
-    fields = layer_fields(kind.layer_type, step)
+    fields = layer_fields(kind.layer_type, step, shapes)
 
     def run(hidden: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         given = dict(zip(fields, args[:-1], strict=True))
@@ -251,6 +262,7 @@ class RegionalStep:
         layer_graphs: dict[str, CompiledGraph],
         head_graph: CompiledGraph,
         device: str,
+        shapes: StepShapes,
     ) -> None:
         self.step = step
         self._inputs = getattr(model, INPUTS_OF[step])
@@ -263,14 +275,14 @@ class RegionalStep:
         for index, layer in enumerate(model.model.layers):
             kind = kind_of[index]
             tail = layer_arguments(layer, kind, device)
-            self._layers.append((layer_graphs[kind.name], layer_fields(kind.layer_type, step), tail))
+            self._layers.append((layer_graphs[kind.name], layer_fields(kind.layer_type, step, shapes), tail))
         self._head_weights = model_weights(model, HEAD_WEIGHTS)
 
     @torch.no_grad()
     def __call__(self, *args: torch.Tensor) -> Any:
         hidden, inputs = self.decoder_output(*args)
         if self._last_valid is not None:
-            hidden = self._last_valid(hidden, inputs.num_valid)
+            hidden = self._last_valid(hidden, inputs)
         return self.head(hidden)
 
     @torch.no_grad()
@@ -312,8 +324,10 @@ def _dims(
       in use (`blocks_in_use`), not the whole compiled sequence_length;
     - the batched steps' batch, 2..max_rows rows (`base.MIN_BATCH_ROWS`), so only the active rows are
       computed;
-    - with `shapes.any_prefill_tokens`, a prefill chunk's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so a
-      chunk computes its valid tokens only (`blocks_in_use`); and the MTP step's.
+    - with `shapes.any_prefill_tokens`, a packed prefill's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so
+      a chunk computes its valid tokens only (`blocks_in_use`), and its
+      sequences, 2..max_rows + 1 (every running request and an empty one: `base.packed_prefill_args`); and
+      the MTP step's tokens.
     No dynamic dimension starts at 1: Inductor compiles a dynamic size for 2 and up (a size of 1 would be
     a different program), and after the compile workers' save / load a range of [1, 2] is compiled as the
     constant 2. A range that would hold one size only stays static."""
@@ -329,7 +343,7 @@ def _dims(
         torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=inputs.cos.shape[1]) if many_tokens else None
     )
     rows = _dynamic({0: batch, 1: tokens})
-    return {
+    dims = {
         "hidden": rows,
         "embeds": rows,
         "num_valid": _dynamic({0: batch}),
@@ -343,11 +357,35 @@ def _dims(
         "value_cache": {1: blocks},
         "slots": _dynamic({0: batch}),
     }
+    if step == "prefill_chunk" and shapes.any_prefill_tokens:  # per sequence instead of per row
+        many = max_rows + 1 > MIN_PACKED_SEQUENCES
+        sequences = None
+        if many:
+            sequences = torch.export.Dim("sequences", min=MIN_PACKED_SEQUENCES, max=max_rows + 1)
+        per_sequence = _dynamic({0: sequences})
+        dims.update(
+            block_tables=_dynamic({0: sequences, 1: width}),
+            slots=per_sequence,
+            cu_seqlens=_dynamic({0: sequences + 1 if many else None}),
+            conv_heads=per_sequence,
+            conv_taps=per_sequence,
+            conv_tail=per_sequence,
+            head=per_sequence,
+        )
+    return dims
 
 
 def _dynamic(dims: dict[int, Any]) -> dict[int, Any] | None:
     """A dynamic_shapes entry without its static (None) dimensions; None when all are static."""
     return {axis: dim for axis, dim in dims.items() if dim is not None} or None
+
+
+def _traced_as(step: str, region: str, shapes: StepShapes) -> str:
+    """The step whose linear layers' tracing a region takes: prefill's head computes one row as decode_row
+    does, or (packed) a few rows as decode_step does."""
+    if (step, region) != ("prefill_chunk", HEAD):
+        return step
+    return "decode_step" if shapes.any_prefill_tokens else "decode_row"
 
 
 def export_step(
@@ -367,7 +405,7 @@ def export_step(
         regions = _layer_and_head_region_args(model, step, step_args, shapes)
     for region, module, args, dynamic in regions:
         start = time.perf_counter()
-        mode = tracing_mode_of("decode_row" if (step, region) == ("prefill_chunk", HEAD) else step)
+        mode = tracing_mode_of(_traced_as(step, region, shapes))
         program = export_method(module, "forward", args, dynamic_shapes=dynamic, tracing_mode=mode)
         logger.info("Exported %s in %.1f s", region_file(step, region), time.perf_counter() - start)
         yield program, out_dir / region_file(step, region)
@@ -384,7 +422,7 @@ def compile_regions(
     traced within `tracing_mode_of(step)`. The graphs compile side by side as they are exported
     (`compile_workers.CompilePool`). Returns the tensors the traced code made itself that must be bound at
     load, as "<file>/<name>"."""
-    files = {file for step in steps for file in step_files(model, step)}
+    files = {file for step in steps for file in step_files(model, step, shapes)}
     paths: list[Path] = []
     with CompilePool(default_workers(len(files)), total=len(files)) as pool:
         for step, args in steps.items():
@@ -405,18 +443,20 @@ def _layer_and_head_region_args(
 ) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]]:
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
-    dims = _dims(step, inputs, max_rows=step_args[0].shape[0], shapes=shapes)
+    # A batched step's rows; a prefill step's sequences are the running requests (one per real slot).
+    max_rows = inputs.conv_state.shape[1] - 1 if step == "prefill_chunk" else step_args[0].shape[0]
+    dims = _dims(step, inputs, max_rows=max_rows, shapes=shapes)
     regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
     for kind in layer_kinds(model):
-        fields = layer_fields(kind.layer_type, step)
+        fields = layer_fields(kind.layer_type, step, shapes)
         tail = layer_arguments(model.model.layers[kind.layers[0]], kind, hidden.device)
         args = (hidden, *(getattr(inputs, field) for field in fields), *tail)
         dynamic = [dims["hidden"], *(dims.get(field) for field in fields), *[None] * len(tail)]
-        regions.append((kind.name, layer_region(model, kind, step), args, dynamic))
-    if step in HEAD_FUNCTION_OF:
+        regions.append((kind.name, layer_region(model, kind, step, shapes), args, dynamic))
+    if step in HEAD_FUNCTION_OF and head_step(step, shapes) == step:
         head_hidden, head_dim = hidden, dims["hidden"]
-        if step == "prefill_chunk":  # the last valid token's row only
-            head_hidden, head_dim = model.last_valid(hidden, inputs.num_valid), None
+        if step == "prefill_chunk":  # each sequence's last valid token
+            head_hidden, head_dim = model.last_valid(hidden, inputs), dims.get("head")
         head_args = (head_hidden, *model_weights(model, HEAD_WEIGHTS))
         regions.append((HEAD, head_region(model, step), head_args, [head_dim, None, None]))
     return regions
@@ -449,10 +489,12 @@ def load_step(
     step: str,
     load: Callable[[str], CompiledGraph],
     device: str,
+    shapes: StepShapes,
 ) -> RegionalStep | MTPStep:
-    """The step's region graphs, each loaded by `load(file name)`, bound to `model` (on `device`)."""
+    """The step's region graphs (compiled for `shapes`), each loaded by `load(file name)`, bound to `model`
+    (on `device`)."""
     if step in MTP_STEPS:
         return MTPStep(model, load(region_file(step, MTP)))
     layer_graphs = {kind.name: load(region_file(step, kind.name)) for kind in layer_kinds(model)}
-    head = load(region_file(head_step(step), HEAD))
-    return RegionalStep(model, step, layer_graphs, head, device)
+    head = load(region_file(head_step(step, shapes), HEAD))
+    return RegionalStep(model, step, layer_graphs, head, device, shapes)

@@ -4,7 +4,8 @@ Module and parameter names follow transformers' `modeling_qwen3_5.py`, so checkp
 Two entry points, both with static shapes and the cache tensors passed in and updated in place:
 
 - `prefill_chunk`: C tokens of one sequence starting at any position (the last chunk of a prompt is
-  right-padded; `num_valid` says how many tokens are real).
+  right-padded; `num_valid` says how many tokens are real), or of several sequences packed one after the
+  other (each at its own position, in its own GDN slot, with its own block table: a packed prefill step).
 - `decode_step`: one token for each of the B rows, each row at its own position and in its own GDN state
   slot, so any subset of the cache's slots decodes together.
 
@@ -32,8 +33,15 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..nki import causal_conv1d_fn, causal_conv1d_update
-from ..ops.attention import PagedAttention, paged_attention_torch
+from ..ops.attention import (
+    PagedAttention,
+    PagedAttentionVarlen,
+    paged_attention_torch,
+    paged_attention_varlen_torch,
+)
+from ..ops.conv import causal_conv1d_varlen, varlen_conv_indices
 from ..ops.gdn import (
+    GDNChunk,
     GDNStep,
     GDNVerify,
     gdn_decode_step_torch,
@@ -54,11 +62,16 @@ class StepInputs:
 
     Attention: rotary cos / sin [B, T, rot], the flat cache slot each new K/V goes to [B, T], the rows'
     block tables [B, max_blocks] and each query's position [B, T] (it sees the keys at 0..position). GDN:
-    the state slot of each row [B]; for a prefill chunk also which of its positions are real (`valid`
-    [1, C]) and how many (`num_valid`), None for a decode step. Then the four cache tensors, updated in
-    place (an MTP step has no GDN layer: no slots or GDN states). A verify step also has the speculative
-    state tensors [n_gdn_layers, slots, T, ...]: its GDN layers write the state after each position there
-    instead of the slot."""
+    the state slot of each row [B]; for a prefill chunk of one sequence also which of its positions are real
+    (`valid` [1, C]) and how many (`num_valid`), None for a decode step. Then the four cache tensors,
+    updated in place (an MTP step has no GDN layer: no slots or GDN states). A verify step also has the
+    speculative state tensors [n_gdn_layers, slots, T, ...]: its GDN layers write the state after each
+    position there instead of the slot.
+
+    A packed prefill step (S sequences one after the other in one row of N tokens, every token real) has
+    `cu_seqlens` [S + 1] (sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1]), block tables and slots
+    per sequence [S, ...], and the conv indices of `ops.conv.varlen_conv_indices` (`conv_heads`
+    [S * (W - 1)], `conv_taps` [S * (W - 1), W], `conv_tail` [S, W - 1]); no `valid` / `num_valid`."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -74,6 +87,10 @@ class StepInputs:
     recurrent_state: torch.Tensor | None
     spec_conv_state: torch.Tensor | None = None
     spec_recurrent_state: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    conv_heads: torch.Tensor | None = None
+    conv_taps: torch.Tensor | None = None
+    conv_tail: torch.Tensor | None = None
 
 
 class Qwen36RMSNorm(nn.Module):
@@ -149,6 +166,7 @@ class Qwen36Attention(nn.Module):
         self.q_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen36RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.paged_attention: PagedAttention = paged_attention_torch
+        self.paged_attention_varlen: PagedAttentionVarlen = paged_attention_varlen_torch
 
     def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex) -> torch.Tensor:
         """hidden [B, T, hidden]. Writes this step's K/V into attention cache entry `cache_idx` at
@@ -173,9 +191,13 @@ class Qwen36Attention(nn.Module):
         )
         key_cache.index_put_(index, key)
         value_cache.index_put_(index, value)
-        out = self.paged_attention(
-            query, key_cache, value_cache, cache_idx, block_tables, step.positions, self.head_dim**-0.5
-        )
+        caches, scale = (key_cache, value_cache, cache_idx), self.head_dim**-0.5
+        if step.cu_seqlens is not None:
+            out = self.paged_attention_varlen(
+                query, *caches, block_tables, step.cu_seqlens, step.positions, scale
+            )
+        else:
+            out = self.paged_attention(query, *caches, block_tables, step.positions, scale)
         out = out.reshape(batch, seq, -1) * torch.sigmoid(gate.reshape(batch, seq, -1))
         return self.o_proj(out)
 
@@ -207,7 +229,7 @@ class Qwen36GatedDeltaNet(nn.Module):
         # The delta rule of a decode step, a prefill chunk and a verify step on the cache's states, in place
         # (ops/gdn.py; backends may swap in native ops).
         self.recurrent_step: GDNStep = gdn_decode_step_torch
-        self.chunk_step: GDNStep = gdn_prefill_chunk_torch
+        self.chunk_step: GDNChunk = gdn_prefill_chunk_torch
         self.verify_step: GDNVerify = gdn_verify_step_torch
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,8 +253,9 @@ class Qwen36GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(core, z).reshape(batch, seq, self.value_dim))
 
     def forward(self, hidden: torch.Tensor, step: StepInputs, cache_idx: CacheIndex) -> torch.Tensor:
-        """hidden [B, T, hidden]: a prefill chunk (B = 1) or a decode step (T = 1). Reads the states of the
-        rows' slots from GDN cache entry `cache_idx` and writes the new ones back in place."""
+        """hidden [B, T, hidden]: a prefill chunk (B = 1, one sequence or packed ones) or a decode step
+        (T = 1). Reads the states of the rows' (sequences') slots from GDN cache entry `cache_idx` and writes
+        the new ones back in place."""
         conv_state = step.conv_state[cache_idx, step.slots]
         index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
         if step.spec_recurrent_state is not None:
@@ -241,7 +264,9 @@ class Qwen36GatedDeltaNet(nn.Module):
             )
             step.spec_conv_state.index_put_(index, conv_states.to(step.spec_conv_state.dtype))
             return out
-        if step.valid is None:
+        if step.cu_seqlens is not None:
+            out, new_conv = self.prefill_packed(hidden, step, conv_state, cache_idx)
+        elif step.valid is None:
             out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
         else:
             out, new_conv = self.prefill(
@@ -278,8 +303,30 @@ class Qwen36GatedDeltaNet(nn.Module):
         beta = beta * valid.unsqueeze(-1)
         g = g * valid.unsqueeze(-1)
         core = self.chunk_step(
-            query, key, value, g, beta, recurrent_state, cache_idx, slots, self.head_k_dim**-0.5
+            query, key, value, g, beta, recurrent_state, cache_idx, slots, None, self.head_k_dim**-0.5
         )
+        return self._output(core, z), new_conv_state
+
+    def prefill_packed(
+        self, hidden: torch.Tensor, step: StepInputs, conv_state: torch.Tensor, cache_idx: CacheIndex
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [1, N, hidden]: the sequences of a packed prefill step (every token real), conv_state the
+        conv states of their slots [S, ...]. Returns the output and the new conv state of each sequence at
+        its end; the slots' recurrent states are updated in place."""
+        mixed, z, beta, g = self._project(hidden)
+        mixed, new_conv_state = causal_conv1d_varlen(
+            mixed[0].t(),
+            self.conv1d.weight.squeeze(1),
+            conv_state,
+            step.conv_heads,
+            step.conv_taps,
+            step.conv_tail,
+        )
+        query, key, value = self._split_heads(mixed.unsqueeze(0))
+        core = self.chunk_step(
+            query, key, value, g, beta, step.recurrent_state, cache_idx, step.slots, step.cu_seqlens,
+            self.head_k_dim**-0.5,
+        )  # fmt: skip
         return self._output(core, z), new_conv_state
 
     def decode(
@@ -417,16 +464,18 @@ class Qwen36ForCausalLM(nn.Module):
     def set_kernels(
         self,
         paged_attention: PagedAttention,
+        paged_attention_varlen: PagedAttentionVarlen,
         recurrent_step: GDNStep,
-        chunk_step: GDNStep,
+        chunk_step: GDNChunk,
         verify_step: GDNVerify,
     ) -> None:
-        """Make every attention layer (the MTP layer's too) attend with `paged_attention`, and every GDN
-        layer run its decode steps with `recurrent_step`, its prefill chunks with `chunk_step` and its verify
-        steps with `verify_step`."""
+        """Make every attention layer (the MTP layer's too) attend with `paged_attention` (packed prefill
+        steps: `paged_attention_varlen`), and every GDN layer run its decode steps with `recurrent_step`, its
+        prefill chunks with `chunk_step` and its verify steps with `verify_step`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
                 module.paged_attention = paged_attention
+                module.paged_attention_varlen = paged_attention_varlen
             elif isinstance(module, Qwen36GatedDeltaNet):
                 module.recurrent_step, module.chunk_step = recurrent_step, chunk_step
                 module.verify_step = verify_step
@@ -473,24 +522,40 @@ class Qwen36ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
         num_valid: torch.Tensor,
-        slot: torch.Tensor,
-        block_table: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
     ) -> tuple[torch.Tensor, StepInputs]:
-        """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read."""
+        """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read (see
+        `prefill_chunk`): one sequence's, or packed sequences' when there are several."""
         block_size = key_cache.shape[2]
-        positions, valid = self._row_positions(start_pos.reshape(1), num_valid.reshape(1), input_ids.shape[1])
-        block_tables = block_table.unsqueeze(0)
-        write_slots = self._write_slots(positions, valid, block_tables, block_size)
-
+        start_pos, num_valid, slots = start_pos.reshape(-1), num_valid.reshape(-1), slots.reshape(-1)
+        block_tables = block_tables.reshape(slots.shape[0], -1)
         hidden = self.model.embed_tokens(input_ids)
+        caches = (key_cache, value_cache, conv_state, recurrent_state)
+        if slots.shape[0] == 1:
+            positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
+            write_slots = self._write_slots(positions, valid, block_tables, block_size)
+            cos, sin = self._rotary(positions, hidden.dtype)
+            step = StepInputs(
+                cos, sin, write_slots, block_tables, positions, slots, valid, num_valid, *caches
+            )  # fmt: skip
+            return hidden, step
+        cu_seqlens = F.pad(num_valid.cumsum(0), (1, 0))
+        tokens = torch.arange(input_ids.shape[1], device=input_ids.device)
+        sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+        position = start_pos[sequence] + tokens - cu_seqlens[sequence]
+        blocks = block_tables[sequence, position // block_size]
+        positions = position.unsqueeze(0)
+        write_slots = (blocks * block_size + position % block_size).unsqueeze(0)
+        conv_heads, conv_taps, conv_tail = varlen_conv_indices(cu_seqlens, self.config.linear_conv_kernel_dim)
         cos, sin = self._rotary(positions, hidden.dtype)
         step = StepInputs(
-            cos, sin, write_slots, block_tables, positions, slot.reshape(1), valid, num_valid,
-            key_cache, value_cache, conv_state, recurrent_state,
+            cos, sin, write_slots, block_tables, positions, slots, None, None, *caches,
+            cu_seqlens=cu_seqlens, conv_heads=conv_heads, conv_taps=conv_taps, conv_tail=conv_tail,
         )  # fmt: skip
         return hidden, step
 
@@ -524,13 +589,15 @@ class Qwen36ForCausalLM(nn.Module):
         return hidden
 
     @staticmethod
-    def last_valid(hidden: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-        """The hidden state [1, 1, hidden] of a prefill chunk's last valid token."""
-        return hidden.index_select(1, (num_valid - 1).reshape(1))
+    def last_valid(hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """The hidden states [S, 1, hidden] of each sequence's last valid token in a prefill chunk."""
+        packed = step.cu_seqlens is not None
+        last = step.cu_seqlens[1:] - 1 if packed else (step.num_valid - 1).reshape(1)
+        return hidden[0].index_select(0, last).unsqueeze(1)
 
-    def prefill_logits(self, hidden: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-        """float32 logits [1, vocab] of the chunk's last valid token (hidden: the last layer's output)."""
-        return self.decode_logits(self.last_valid(hidden, num_valid))
+    def prefill_logits(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """float32 logits [S, vocab] of each sequence's last valid token (hidden: the last layer's output)."""
+        return self.decode_logits(self.last_valid(hidden, step))
 
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, vocab] of each row's token (hidden [B, 1, hidden]: the last layer's output)."""
@@ -541,29 +608,25 @@ class Qwen36ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
         num_valid: torch.Tensor,
-        slot: torch.Tensor,
-        block_table: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
     ) -> torch.Tensor:
-        """Run C tokens of the sequence in cache slot `slot`, at positions start_pos..start_pos+C-1.
+        """Run prefill chunks of S sequences, packed one after the other in input_ids [1, C].
 
-        input_ids [1, C]; start_pos, num_valid, slot: int64 scalars; block_table [max_blocks] (int64).
-        Returns the float32 logits of the last valid token, [1, vocab]."""
+        Sequence s has num_valid[s] tokens at positions start_pos[s].., its GDN state in cache slot slots[s]
+        and its blocks in block_tables[s] (start_pos, num_valid, slots [S] int64; block_tables [S,
+        max_blocks]). One sequence (S = 1) may be right-padded (num_valid < C; it may also pass int64 scalars
+        and a [max_blocks] table); packed ones (S > 1) fill the row exactly (sum(num_valid) == C).
+        Returns the float32 logits of each sequence's last token, [S, vocab]."""
         hidden, step = self.prefill_inputs(
-            input_ids,
-            start_pos,
-            num_valid,
-            slot,
-            block_table,
-            key_cache,
-            value_cache,
-            conv_state,
+            input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
             recurrent_state,
-        )
-        return self.prefill_logits(self.decoder(hidden, step), num_valid)
+        )  # fmt: skip
+        return self.prefill_logits(self.decoder(hidden, step), step)
 
     def decode_step(
         self,
@@ -589,8 +652,8 @@ class Qwen36ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         start_pos: torch.Tensor,
         num_valid: torch.Tensor,
-        slot: torch.Tensor,
-        block_table: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
@@ -599,11 +662,11 @@ class Qwen36ForCausalLM(nn.Module):
         """`prefill_chunk`, also returning the normed hidden state of every position [1, C, hidden] (what
         the MTP layer reads)."""
         hidden, step = self.prefill_inputs(
-            input_ids, start_pos, num_valid, slot, block_table, key_cache, value_cache, conv_state,
+            input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
             recurrent_state,
         )  # fmt: skip
         normed = self.model.norm(self.decoder(hidden, step))
-        return self.lm_head(self.last_valid(normed, num_valid)).float().squeeze(1), normed
+        return self.lm_head(self.last_valid(normed, step)).float().squeeze(1), normed
 
     def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """float32 logits [B, T, vocab] at every position of normed hidden states [B, T, hidden] (a prompt's

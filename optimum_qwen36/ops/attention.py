@@ -8,10 +8,16 @@ blocks (`block_tables[b]`, in order), with the G = H / KVH query heads of a KV h
 - `paged_attention_native`: `optimum_qwen36::paged_attention` (csrc/paged_attention.cpp), which stops at the
   last key each block of queries sees; bf16 on AVX-512 BF16 CPUs runs its flash kernel, other cases
   ATen's attention over the visible keys.
+
+Their varlen forms take sequences packed along the tokens (a packed prefill step): query [1, N, H, D],
+sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1] with the blocks block_tables[s], positions [1, N].
+`paged_attention_varlen_torch` runs the PyTorch twin per sequence (eager only: it reads cu_seqlens' values);
+`paged_attention_varlen_native` is `optimum_qwen36::paged_attention_varlen`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -24,6 +30,9 @@ PagedAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor", torch.Tensor, torch.Tensor, float],
     torch.Tensor,
 ]
+# (query [1, N, H, D], key_cache, value_cache, cache_idx, block_tables [S, max_blocks], cu_seqlens [S + 1],
+# positions [1, N], scale) -> [1, N, H, D]
+PagedAttentionVarlen = Callable[..., torch.Tensor]
 
 
 def paged_attention_torch(
@@ -72,4 +81,42 @@ def paged_attention_native(
     """The native op (load it first: `ops.native.load_native_ops()`)."""
     return torch.ops.optimum_qwen36.paged_attention(
         query, key_cache, value_cache, layer_index(cache_idx, query.device), block_tables, positions, scale
+    )
+
+
+def paged_attention_varlen_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(query)
+    bounds = cu_seqlens.tolist()
+    for s, (first, end) in enumerate(itertools.pairwise(bounds)):
+        if end > first:
+            out[:, first:end] = paged_attention_torch(
+                query[:, first:end], key_cache, value_cache, cache_idx, block_tables[s : s + 1],
+                positions[:, first:end], scale,
+            )  # fmt: skip
+    return out
+
+
+def paged_attention_varlen_native(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native op (load it first: `ops.native.load_native_ops()`)."""
+    layer = layer_index(cache_idx, query.device)
+    return torch.ops.optimum_qwen36.paged_attention_varlen(
+        query, key_cache, value_cache, layer, block_tables, cu_seqlens, positions, scale
     )

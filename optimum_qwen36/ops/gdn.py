@@ -5,8 +5,10 @@ recurrent_state is the cache's whole float32 [L, slots, HV, K, V] tensor, of whi
 slots[b] is row b's state; q and k are L2-normalised first (as `use_qk_l2norm_in_kernel=True`), q scaled.
 
 - decode step: q, k [B, H, K], v [B, HV, V], g (log decay) and beta [B, HV]; returns o [B, HV, V].
-- prefill chunk: one sequence, q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV] (tokens past the
-  real ones with g = 0 and beta = 0, so they leave the state as it is), slots [1]; returns o [1, T, HV, V].
+- prefill chunk: q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV], slots [S], cu_seqlens [S + 1] or
+  None: sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1] (a packed prefill step), in slot slots[s]; None
+  is one sequence (S = 1) of all T tokens. Tokens past a sequence's real ones carry g = 0 and beta = 0, so
+  they leave its state as it is. Returns o [1, T, HV, V] (zeros after the last sequence).
 - verify step (MTP speculative decoding): T tokens per row, q, k [B, T, H, K], v [B, T, HV, V], g and beta
   [B, T, HV], each advanced as a decode step would; the slots' states are only read, and the state after
   token t goes to spec_recurrent_state [L, slots, T, HV, K, V] at [cache_idx, slots[b], t]. Returns
@@ -21,6 +23,7 @@ Outputs are in v's dtype.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -30,6 +33,8 @@ from .native import layer_index
 
 # (q, k, v, g, beta, recurrent_state, cache_idx, slots, scale) -> o
 GDNStep = Callable[..., torch.Tensor]
+# (q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale) -> o
+GDNChunk = Callable[..., torch.Tensor]
 
 
 def gdn_decode_step_torch(
@@ -131,6 +136,33 @@ def gdn_prefill_chunk_torch(
     recurrent_state: torch.Tensor,
     cache_idx: int | torch.Tensor,
     slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Packed sequences (cu_seqlens given) run one at a time: eager only, it reads cu_seqlens' values."""
+    if cu_seqlens is None:
+        return _chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
+    out = torch.zeros_like(v)
+    bounds = cu_seqlens.tolist()
+    for s, (first, end) in enumerate(itertools.pairwise(bounds)):
+        if end > first:
+            part = slice(first, end)
+            out[:, part] = _chunk_torch(
+                q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], recurrent_state, cache_idx,
+                slots[s : s + 1], scale,
+            )  # fmt: skip
+    return out
+
+
+def _chunk_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     state = recurrent_state[cache_idx, slots]
@@ -156,11 +188,14 @@ def gdn_prefill_chunk_native(
     recurrent_state: torch.Tensor,
     cache_idx: int | torch.Tensor,
     slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """The native op (load it first: `ops.native.load_native_ops()`); head sizes that are not multiples of
     its 16-float vectors run the PyTorch form."""
     if not native_chunk_supported(q.shape[-1], v.shape[-1]):
-        return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
+        return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale)
+    if cu_seqlens is None:
+        cu_seqlens = torch.stack([torch.zeros_like(slots[0]), torch.zeros_like(slots[0]) + q.shape[1]])
     op = torch.ops.optimum_qwen36.gdn_prefill_chunk
-    return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, scale)
+    return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, cu_seqlens, scale)

@@ -166,9 +166,13 @@ def _register_fake_kernels() -> None:
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::gdn_prefill_chunk")
-    def _(q, k, v, g, beta, recurrent_state, cache_idx, slot, scale):
+    def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale):
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::paged_attention")
     def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("optimum_qwen36::paged_attention_varlen")
+    def _(query, key_cache, value_cache, cache_idx, block_tables, cu_seqlens, positions, scale):
         return torch.empty_like(query, memory_format=torch.contiguous_format)

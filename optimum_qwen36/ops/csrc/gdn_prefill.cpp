@@ -1,9 +1,12 @@
-// A prefill chunk of the gated delta rule for one sequence, from and into its recurrent state in the cache.
+// A prefill chunk of the gated delta rule for one or more sequences packed along the tokens, each from and
+// into its recurrent state in the cache.
 //
-// q, k [1, T, H, K], v [1, T, HV, V], g (log decay) and beta [1, T, HV]; recurrent_state [L, slots, HV, K, V]
-// float32, of which layer `cache_idx`, slot `slot` is the sequence's state S, read as the initial state and
-// overwritten with the state after the last token. Tokens past the real ones must carry g = 0 and beta = 0
-// (then they leave S untouched). q and k are L2-normalised (eps 1e-6) and q scaled, as
+// q, k [1, T, H, K], v [1, T, HV, V], g (log decay) and beta [1, T, HV]; sequence s is tokens
+// [cu_seqlens[s], cu_seqlens[s + 1]); recurrent_state [L, slots, HV, K, V] float32, of which layer
+// `cache_idx`, slot slots[s] is sequence s's state S, read as the initial state and overwritten with the state
+// after its last token. Padding tokens inside a sequence must carry g = 0 and beta = 0 (then they leave S
+// untouched); tokens after the last sequence get o = 0. A sequence of one token runs the decode step's
+// arithmetic (gdn_state.h's delta_rule_token) instead of a whole chunk's. q and k are L2-normalised (eps 1e-6) and q scaled, as
 // `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype; q, k and v are read where they lie
 // (any strides).
 //
@@ -104,7 +107,8 @@ void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_r
 }
 
 // Element (token t, head h, d) of a [1, T, heads, dim] tensor of any strides: the model's q, k and v are
-// slices of the conv output, which is channel-major (token stride 1); they are read in place, never copied.
+// slices of the conv output (channel-major, token stride 1, for one sequence; token-major when packed); they
+// are read in place, never copied.
 template <typename T>
 struct Rows {
   T* data;
@@ -115,6 +119,12 @@ struct Rows {
         head_stride(x.stride(2)),
         dim_stride(x.stride(3)) {}
   T* at(int64_t t, int64_t h) const { return data + t * token_stride + h * head_stride; }
+  // The rows from token `first` on (a packed sequence's own tokens).
+  Rows from(int64_t first) const {
+    Rows rows = *this;
+    rows.data += first * token_stride;
+    return rows;
+  }
 
   // rows [t0, t0 + n) of head h as float32 [n, dim] (row stride dim), in the order the memory is laid out.
   void load(int64_t t0, int64_t n, int64_t h, int64_t dim, float* out) const {
@@ -270,9 +280,30 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
   }
 }
 
+// A one-token sequence, key head h: its value heads' states updated in place by the decode step's rule.
+template <typename T>
+void single_token(const Inputs<T>& in, int64_t h, float* const* states, optimum_qwen36::HeadScratch& s,
+                  std::vector<float>& buffer) {
+  const int64_t K = in.k_dim, V = in.v_dim, group = in.v_heads / in.k_heads;
+  float* q = buffer.data();
+  float* k = q + K;
+  float* v = k + K;
+  float* o = v + V;
+  in.q.load(0, 1, h, K, q);
+  in.k.load(0, 1, h, K, k);
+  for (int64_t r = 0; r < group; ++r) {
+    const int64_t hv = h * group + r;
+    const T* vi = in.v.at(0, hv);
+    for (int64_t d = 0; d < V; ++d) v[d] = float(vi[d * in.v.dim_stride]);
+    optimum_qwen36::delta_rule_token(q, k, v, in.g[hv], in.beta[hv], in.scale, states[r], states[r], o, K, V, s);
+    T* oi = in.o.at(0, hv);
+    for (int64_t d = 0; d < V; ++d) oi[d * in.o.dim_stride] = T(o[d]);
+  }
+}
+
 at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                              const at::Tensor& beta, at::Tensor recurrent_state, const at::Tensor& cache_idx,
-                             const at::Tensor& slot, double scale) {
+                             const at::Tensor& slots, const at::Tensor& cu_seqlens, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.sizes() == q.sizes(), "gdn_prefill_chunk: q, k [1, T, H, K]");
   TORCH_CHECK(v.dim() == 4 && v.size(0) == 1 && v.size(1) == q.size(1), "gdn_prefill_chunk: v [1, T, HV, V]");
   const int64_t tokens = q.size(1), k_heads = q.size(2), k_dim = q.size(3), v_heads = v.size(2), v_dim = v.size(3);
@@ -280,24 +311,55 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(k_dim % 16 == 0 && v_dim % 16 == 0, "gdn_prefill_chunk: head sizes must be multiples of 16");
   TORCH_CHECK(g.sizes() == v.sizes().slice(0, 3) && beta.sizes() == g.sizes(), "gdn_prefill_chunk: g, beta [1, T, HV]");
   optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_prefill_chunk");
-  TORCH_CHECK(cache_idx.numel() == 1 && slot.numel() == 1, "gdn_prefill_chunk: one layer and one slot");
-  float* first_state =
-      optimum_qwen36::slot_state(recurrent_state, cache_idx.item<int64_t>(), slot.item<int64_t>(), "gdn_prefill_chunk");
+  TORCH_CHECK(cache_idx.numel() == 1, "gdn_prefill_chunk: one layer");
+  const int64_t sequences = slots.numel();
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() == sequences + 1,
+              "gdn_prefill_chunk: cu_seqlens [S + 1] for slots [S]");
+  const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous(), slot_ids = slots.to(at::kLong).contiguous();
+  const int64_t* bounds = cu.data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] == 0 && bounds[sequences] <= tokens, "gdn_prefill_chunk: cu_seqlens must run from 0 to at most T");
+  const int64_t layer = cache_idx.item<int64_t>();
+  std::vector<float*> first_state(sequences);
+  for (int64_t s = 0; s < sequences; ++s) {
+    TORCH_CHECK(bounds[s] <= bounds[s + 1], "gdn_prefill_chunk: cu_seqlens must not decrease");
+    first_state[s] = optimum_qwen36::slot_state(recurrent_state, layer, slot_ids.data_ptr<int64_t>()[s], "gdn_prefill_chunk");
+  }
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "gdn_prefill_chunk: q, k and v must have one dtype");
   const at::Tensor gf = g.to(at::kFloat).contiguous(), bf = beta.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({1, tokens, v_heads, v_dim}, v.options());
+  if (bounds[sequences] < tokens) out.narrow(1, bounds[sequences], tokens - bounds[sequences]).zero_();
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
+  // Work items: (sequence, key head) of the sequences that have tokens, longest sequences first, dealt to the
+  // threads round-robin: a long prompt's heads spread over every thread however many short sequences there are.
+  std::vector<int64_t> order;
+  for (int64_t s = 0; s < sequences; ++s)
+    if (bounds[s + 1] > bounds[s]) order.push_back(s);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return bounds[a + 1] - bounds[a] > bounds[b + 1] - bounds[b]; });
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (const int64_t s : order)
+    for (int64_t h = 0; h < k_heads; ++h) items.emplace_back(s, h);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(items.size())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "gdn_prefill_chunk", [&] {
-    const Inputs<scalar_t> in{Rows<scalar_t>(q), Rows<scalar_t>(k), Rows<scalar_t>(v), Rows<scalar_t>(out),
-                              gf.data_ptr<float>(), bf.data_ptr<float>(), tokens, k_heads, v_heads, k_dim, v_dim,
-                              float(scale)};
-    at::parallel_for(0, k_heads, 1, [&](int64_t begin, int64_t end) {
+    const Rows<scalar_t> q_rows(q), k_rows(k), v_rows(v), o_rows(out);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch(k_dim, v_dim);
+      optimum_qwen36::HeadScratch token_scratch(k_dim, v_dim);
+      std::vector<float> token_buffer(2 * (k_dim + v_dim));
       std::vector<float*> states(group);
-      for (int64_t h = begin; h < end; ++h) {
-        for (int64_t r = 0; r < group; ++r) states[r] = first_state + (h * group + r) * state_size;
-        key_head(in, h, states.data(), scratch);
+      for (int64_t thread = begin; thread < end; ++thread)
+      for (int64_t i = thread; i < int64_t(items.size()); i += threads) {
+        const auto [s, h] = items[i];
+        const int64_t first = bounds[s];
+        const Inputs<scalar_t> in{q_rows.from(first), k_rows.from(first), v_rows.from(first), o_rows.from(first),
+                                  gf.data_ptr<float>() + first * v_heads, bf.data_ptr<float>() + first * v_heads,
+                                  bounds[s + 1] - first, k_heads, v_heads, k_dim, v_dim, float(scale)};
+        for (int64_t r = 0; r < group; ++r) states[r] = first_state[s] + (h * group + r) * state_size;
+        if (in.tokens == 1)
+          single_token(in, h, states.data(), token_scratch, token_buffer);
+        else
+          key_head(in, h, states.data(), scratch);
       }
     });
   });
@@ -309,7 +371,7 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
   m.def(
       "gdn_prefill_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) recurrent_state, "
-      "Tensor cache_idx, Tensor slot, float scale) -> Tensor");
+      "Tensor cache_idx, Tensor slots, Tensor cu_seqlens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {

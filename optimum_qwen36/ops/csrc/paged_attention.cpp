@@ -2,7 +2,9 @@
 //
 // query [B, T, H, D]; key_cache / value_cache [L, num_blocks, block_size, KVH, D] (layer `layer`); row b's
 // keys are its blocks block_tables[b] in order; query t of row b sees keys 0..positions[b, t] (capped at
-// the row's capacity). The compiled graphs' own attention reads every block of the table under a mask, so
+// the row's capacity). `paged_attention_varlen` takes sequences packed along the tokens instead: query
+// [1, N, H, D], sequence s is tokens [cu_seqlens[s], cu_seqlens[s + 1]) with the blocks block_tables[s];
+// tokens after the last sequence get zeros. The compiled graphs' own attention reads every block of the table under a mask, so
 // a prefill chunk early in a long table pays for the whole table; here a query block stops at its last
 // visible key.
 //
@@ -36,32 +38,48 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// Keys each row of `positions` [B, T] needs: max position + 1, capped at the table's capacity.
-std::vector<int64_t> visible_keys(const at::Tensor& positions, int64_t capacity) {
-  const at::Tensor last = std::get<0>(positions.max(1)).to(at::kLong).contiguous();
-  std::vector<int64_t> n(last.numel());
-  for (int64_t b = 0; b < last.numel(); ++b) n[b] = std::clamp<int64_t>(last.data_ptr<int64_t>()[b] + 1, 1, capacity);
-  return n;
+// The queries of one sequence: flat tokens [first, first + count) of the step (token t of row b of a
+// [B, T] step is b * T + t), its blocks block_tables[table_row], and the keys it reads: max position + 1,
+// capped at the table's capacity (0 when it has no tokens).
+struct Segment {
+  int64_t first, count, table_row, keys;
+};
+
+std::vector<Segment> segments_of(const std::vector<int64_t>& bounds, const at::Tensor& positions, int64_t capacity) {
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  std::vector<Segment> segments;
+  for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+    int64_t last = -1;
+    for (int64_t t = bounds[s]; t < bounds[s + 1]; ++t) last = std::max(last, p[t]);
+    const int64_t keys = bounds[s + 1] > bounds[s] ? std::clamp<int64_t>(last + 1, 1, capacity) : 0;
+    segments.push_back({bounds[s], bounds[s + 1] - bounds[s], int64_t(s), keys});
+  }
+  return segments;
 }
 
+// Flat query tokens [N, H, D] attended per segment by ATen's attention over the visible keys.
 at::Tensor attention_aten(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
-  const int64_t batch = query.size(0), heads = query.size(2), kv_heads = key_cache.size(3);
+                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions,
+                          const std::vector<Segment>& segments, double scale) {
+  const int64_t heads = query.size(1), kv_heads = key_cache.size(3);
   const int64_t block_size = key_cache.size(2);
-  const std::vector<int64_t> keys = visible_keys(positions, block_tables.size(1) * block_size);
   const at::Tensor layer_keys = key_cache.select(0, layer), layer_values = value_cache.select(0, layer);
-  at::Tensor out = at::empty(query.sizes(), query.options());
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = keys[b];
-    const at::Tensor blocks = block_tables[b].slice(0, 0, (n + block_size - 1) / block_size).to(at::kLong);
+  at::Tensor out = at::zeros(query.sizes(), query.options());
+  for (const Segment& seg : segments) {
+    if (seg.count == 0) continue;
+    const int64_t n = seg.keys;
+    const at::Tensor blocks =
+        block_tables[seg.table_row].slice(0, 0, (n + block_size - 1) / block_size).to(at::kLong);
     const auto gather = [&](const at::Tensor& cache) {  // [1, KVH, n, D]
       return cache.index_select(0, blocks).flatten(0, 1).slice(0, 0, n).transpose(0, 1).unsqueeze(0);
     };
-    const at::Tensor mask = at::arange(n, positions.options()).unsqueeze(0) <= positions[b].unsqueeze(1);
+    const at::Tensor seg_positions = positions.slice(0, seg.first, seg.first + seg.count);
+    const at::Tensor mask = at::arange(n, positions.options()).unsqueeze(0) <= seg_positions.unsqueeze(1);
     const at::Tensor o = at::scaled_dot_product_attention(
-        query[b].transpose(0, 1).unsqueeze(0), gather(layer_keys), gather(layer_values), mask, 0.0, false, scale,
-        heads != kv_heads);
-    out[b].copy_(o.squeeze(0).transpose(0, 1));
+        query.slice(0, seg.first, seg.first + seg.count).transpose(0, 1).unsqueeze(0), gather(layer_keys),
+        gather(layer_values), mask, 0.0, false, scale, heads != kv_heads);
+    out.slice(0, seg.first, seg.first + seg.count).copy_(o.squeeze(0).transpose(0, 1));
   }
   return out;
 }
@@ -147,20 +165,20 @@ void pack(const bf16* key_cache, const bf16* value_cache, const int64_t* table, 
   }
 }
 
-struct Block {  // one work item: row b, KV head kh, query tokens [t0, t0 + tokens)
-  int64_t b, kh, t0, tokens;
+struct Block {  // one work item: segment seg, KV head kh, flat query tokens [t0, t0 + tokens)
+  int64_t seg, kh, t0, tokens;
 };
 
 void attend_block(const Block& blk, const bf16* query, const int64_t* positions, const PackedKV& kv, int64_t n,
-                  int64_t seq, int64_t heads, int64_t group, int64_t dim, float scale, bf16* out) {
+                  int64_t heads, int64_t group, int64_t dim, float scale, bf16* out) {
   const int64_t rows = blk.tokens * group, pairs = dim / 2;
   std::vector<const uint32_t*> q_rows(rows), p_rows(rows);
   std::vector<int64_t> limit(rows);  // keys row r sees: [0, limit)
   int64_t last = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
-    q_rows[r] = reinterpret_cast<const uint32_t*>(query + ((blk.b * seq + t) * heads + h) * dim);
-    limit[r] = std::clamp<int64_t>(positions[blk.b * seq + t] + 1, 1, n);
+    q_rows[r] = reinterpret_cast<const uint32_t*>(query + (t * heads + h) * dim);
+    limit[r] = std::clamp<int64_t>(positions[t] + 1, 1, n);
     last = std::max(last, limit[r]);
   }
   std::vector<float> scores(rows * kKeyBlock), acc(rows * dim, 0.0f), row_max(rows, -INFINITY), row_sum(rows, 0.0f);
@@ -215,39 +233,43 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
-    bf16* o = out + ((blk.b * seq + t) * heads + h) * dim;
+    bf16* o = out + (t * heads + h) * dim;
     const float inv = 1.0f / row_sum[r];
     for (int64_t d = 0; d < dim; ++d) o[d] = bf16(acc[r * dim + d] * inv);
   }
 }
 
 at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
-  const int64_t batch = query.size(0), seq = query.size(1), heads = query.size(2), dim = query.size(3);
+                          int64_t layer, const at::Tensor& block_tables, const at::Tensor& positions,
+                          const std::vector<Segment>& segments, double scale) {
+  const int64_t heads = query.size(1), dim = query.size(2);
   const int64_t num_blocks = key_cache.size(1), block_size = key_cache.size(2), kv_heads = key_cache.size(3);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
-  const std::vector<int64_t> keys = visible_keys(positions, max_blocks * block_size);
   const at::Tensor q = query.contiguous(), kc = key_cache.contiguous(), vc = value_cache.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
   const int64_t layer_offset = layer * num_blocks * block_size * kv_heads * dim;
   const auto* k_ptr = reinterpret_cast<const bf16*>(kc.data_ptr());
   const auto* v_ptr = reinterpret_cast<const bf16*>(vc.data_ptr());
+  const int64_t count = int64_t(segments.size());
 
-  std::vector<PackedKV> packed(batch * kv_heads);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<PackedKV> packed(count * kv_heads);
+  at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, n = keys[b];
-      pack(k_ptr, v_ptr, tables.data_ptr<int64_t>() + b * max_blocks, n, (n + kKeyTile - 1) / kKeyTile * kKeyTile,
-           block_size, kv_heads, i % kv_heads, dim, layer_offset, packed[i]);
+      const Segment& seg = segments[i / kv_heads];
+      if (seg.count == 0) continue;
+      const int64_t n = seg.keys;
+      pack(k_ptr, v_ptr, tables.data_ptr<int64_t>() + seg.table_row * max_blocks, n,
+           (n + kKeyTile - 1) / kKeyTile * kKeyTile, block_size, kv_heads, i % kv_heads, dim, layer_offset, packed[i]);
     }
   });
 
   const int64_t tokens_per_block = std::max<int64_t>(1, kRowBlock / group);
   std::vector<Block> blocks;
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t t0 = 0; t0 < seq; t0 += tokens_per_block)
-      for (int64_t kh = 0; kh < kv_heads; ++kh) blocks.push_back({b, kh, t0, std::min(tokens_per_block, seq - t0)});
-  at::Tensor out = at::empty_like(q);
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t t0 = 0; t0 < segments[s].count; t0 += tokens_per_block)
+      for (int64_t kh = 0; kh < kv_heads; ++kh)
+        blocks.push_back({s, kh, segments[s].first + t0, std::min(tokens_per_block, segments[s].count - t0)});
+  at::Tensor out = at::zeros_like(q);
   auto* out_ptr = reinterpret_cast<bf16*>(out.data_ptr());
   const auto* q_ptr = reinterpret_cast<const bf16*>(q.data_ptr());
   // Round-robin over threads: causal blocks grow with t0, so contiguous ranges would be unbalanced.
@@ -256,8 +278,8 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t i = thread; i < blocks.size(); i += threads) {
         const Block& blk = blocks[i];
-        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), packed[blk.b * kv_heads + blk.kh], keys[blk.b], seq, heads,
-                     group, dim, float(scale), out_ptr);
+        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), packed[blk.seg * kv_heads + blk.kh], segments[blk.seg].keys,
+                     heads, group, dim, float(scale), out_ptr);
       }
   });
   return out;
@@ -265,22 +287,53 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
 
 #endif  // QWEN36_BF16_AVX512
 
+// Flat queries [N, H, D] of `segments` over the cache's layer `cache_idx`.
+at::Tensor attend_segments(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& cache_idx, const at::Tensor& block_tables, const at::Tensor& positions,
+                           const std::vector<int64_t>& bounds, double scale, const char* op) {
+  TORCH_CHECK(key_cache.dim() == 5 && value_cache.sizes() == key_cache.sizes(), op,
+              ": caches [L, blocks, block_size, KVH, D] expected");
+  TORCH_CHECK(query.size(2) == key_cache.size(4) && query.size(1) % key_cache.size(3) == 0, op,
+              ": query heads must be a multiple of the cache's KV heads, with the same head size");
+  TORCH_CHECK(cache_idx.numel() == 1, op, ": cache_idx must hold one layer index");
+  const int64_t layer = cache_idx.item<int64_t>();
+  const std::vector<Segment> segments =
+      segments_of(bounds, positions, block_tables.size(1) * key_cache.size(2));
+#ifdef QWEN36_BF16_AVX512
+  if (query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0)
+    return attention_bf16(query, key_cache, value_cache, layer, block_tables, positions, segments, scale);
+#endif
+  return attention_aten(query, key_cache, value_cache, layer, block_tables, positions, segments, scale);
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& cache_idx, const at::Tensor& block_tables, const at::Tensor& positions,
                            double scale) {
-  TORCH_CHECK(query.dim() == 4 && key_cache.dim() == 5 && value_cache.sizes() == key_cache.sizes(),
-              "paged_attention: query [B, T, H, D] and caches [L, blocks, block_size, KVH, D] expected");
-  TORCH_CHECK(query.size(3) == key_cache.size(4) && query.size(2) % key_cache.size(3) == 0,
-              "paged_attention: query heads must be a multiple of the cache's KV heads, with the same head size");
+  TORCH_CHECK(query.dim() == 4, "paged_attention: query [B, T, H, D] expected");
   TORCH_CHECK(block_tables.size(0) == query.size(0) && positions.sizes() == query.sizes().slice(0, 2),
               "paged_attention: block_tables [B, max_blocks] and positions [B, T] must match the query");
-  TORCH_CHECK(cache_idx.numel() == 1, "paged_attention: cache_idx must hold one layer index");
-  const int64_t layer = cache_idx.item<int64_t>();
-#ifdef QWEN36_BF16_AVX512
-  if (query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 && query.size(3) % 32 == 0)
-    return attention_bf16(query, key_cache, value_cache, layer, block_tables, positions, scale);
-#endif
-  return attention_aten(query, key_cache, value_cache, layer, block_tables, positions, scale);
+  const int64_t batch = query.size(0), seq = query.size(1);
+  std::vector<int64_t> bounds(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) bounds[b] = b * seq;
+  return attend_segments(query.flatten(0, 1), key_cache, value_cache, cache_idx, block_tables,
+                         positions.flatten(), bounds, scale, "paged_attention")
+      .view(query.sizes());
+}
+
+at::Tensor paged_attention_varlen(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& cache_idx, const at::Tensor& block_tables,
+                                  const at::Tensor& cu_seqlens, const at::Tensor& positions, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1, "paged_attention_varlen: query [1, N, H, D] expected");
+  TORCH_CHECK(positions.numel() == query.size(1), "paged_attention_varlen: positions [1, N] must match the query");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() == block_tables.size(0) + 1,
+              "paged_attention_varlen: cu_seqlens [S + 1] for block_tables [S, max_blocks]");
+  const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
+  std::vector<int64_t> bounds(cu.data_ptr<int64_t>(), cu.data_ptr<int64_t>() + cu.numel());
+  TORCH_CHECK(bounds.front() == 0 && bounds.back() <= query.size(1) && std::is_sorted(bounds.begin(), bounds.end()),
+              "paged_attention_varlen: cu_seqlens must run from 0 to at most N without decreasing");
+  return attend_segments(query[0], key_cache, value_cache, cache_idx, block_tables, positions.flatten(), bounds,
+                         scale, "paged_attention_varlen")
+      .unsqueeze(0);
 }
 
 }  // namespace
@@ -289,8 +342,12 @@ TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_idx, Tensor block_tables, "
       "Tensor positions, float scale) -> Tensor");
+  m.def(
+      "paged_attention_varlen(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_idx, "
+      "Tensor block_tables, Tensor cu_seqlens, Tensor positions, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_varlen", &paged_attention_varlen);
 }

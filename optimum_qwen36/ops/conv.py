@@ -1,0 +1,80 @@
+"""The GDN layers' depthwise causal conv1d over sequences packed along the tokens (a packed prefill step).
+
+Each sequence convolves its own tokens after its own conv state (the last W - 1 inputs before them), as
+`nki.causal_conv1d_fn` does for one sequence. Packed (token-major, [N, D]), a token whose W taps all lie in
+its own sequence is an ordinary shifted multiply-add over the stream of tokens (static slices, which
+compile to vector loops); only the first W - 1 tokens of each sequence reach into its conv state, so only
+those are recomputed, from taps gathered out of one small source of rows (the S conv states' W - 1 rows
+each, then the N tokens). Gathering every token's taps instead reads each value through an index the
+compiled graph checks one by one, several times slower. The indices depend only on where the sequences
+start and end, so a step computes them once for all its GDN layers (`varlen_conv_indices`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def varlen_conv_indices(
+    cu_seqlens: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For S sequences of N tokens in all (sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1]) and a conv
+    of `width` taps: the first width - 1 tokens of each sequence [S, width - 1] (N where a sequence is
+    shorter: a row nobody reads), the source row of each of their taps [S, width - 1, width], and the
+    source rows of each sequence's new conv state [S, width - 1] (its last width - 1 inputs, state included).
+    Source rows: the S conv states' width - 1 rows each, then the N tokens."""
+    history = width - 1
+    num_sequences = cu_seqlens.shape[0] - 1
+    device = cu_seqlens.device
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    owners = torch.arange(num_sequences, device=device).unsqueeze(1)
+    taps = torch.arange(width, device=device)
+    local = taps[:history].expand(num_sequences, history)  # the first tokens' places in their sequences
+    real = local < lengths.unsqueeze(1)
+    total = cu_seqlens[-1:]
+    head_tokens = torch.where(real, cu_seqlens[:-1].unsqueeze(1) + local, total)
+    # A token's window: its sequence's W - 1 state rows, then its tokens; tap j of local token i is at i + j.
+    window = local.unsqueeze(-1) + taps
+    head_taps = _source_row(window, owners.unsqueeze(-1), cu_seqlens, num_sequences, history)
+    head_taps = torch.where(real.unsqueeze(-1), head_taps, 0)  # a token that does not exist reads row 0
+    tail = lengths.unsqueeze(1) + taps[:history]
+    conv_tail = _source_row(tail, owners, cu_seqlens, num_sequences, history)
+    return head_tokens, head_taps, conv_tail
+
+
+def _source_row(
+    window: torch.Tensor, owner: torch.Tensor, cu_seqlens: torch.Tensor, num_sequences: int, history: int
+) -> torch.Tensor:
+    state_row = owner * history + window
+    token_row = num_sequences * history + cu_seqlens[owner] + window - history
+    return torch.where(window < history, state_row, token_row)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    head_tokens: torch.Tensor,
+    head_taps: torch.Tensor,
+    conv_tail: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] (the packed tokens, token-major as the projection gives them), weight [D, W], conv_state
+    [S, D, W - 1] (the sequences'), indices from `varlen_conv_indices`. Returns SiLU(conv) [N, D] in x's
+    dtype and the new conv states [S, D, W - 1] in conv_state's dtype, with the arithmetic of
+    `nki.causal_conv1d_fn` (float32 taps summed in order)."""
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    w = weight.float().t()  # [W, D]
+    stream = F.pad(x.to(conv_state.dtype), (0, 0, width - 1, 0)).float()
+    out = stream[:tokens] * w[0]
+    for tap in range(1, width):
+        out = out + stream[tap : tap + tokens] * w[tap]
+    source = torch.cat((conv_state.transpose(1, 2).reshape(-1, channels), x.to(conv_state.dtype)), dim=0)
+    taps = head_taps.reshape(-1, width)
+    head = source[taps[:, 0]].float() * w[0]
+    for tap in range(1, width):
+        head = head + source[taps[:, tap]].float() * w[tap]
+    out = torch.cat((out, out.new_zeros(1, channels))).index_put((head_tokens.reshape(-1),), head)[:tokens]
+    new_state = source[conv_tail.reshape(-1)].reshape(*conv_tail.shape, channels).transpose(1, 2)
+    return F.silu(out).to(x.dtype), new_state

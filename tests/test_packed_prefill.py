@@ -1,0 +1,177 @@
+"""Packed prefill: chunks of several sequences in one prefill call (`ModelRunner.prefill_packed`) compute
+exactly what one call per chunk computes: each sequence's logits, KV entries and GDN states.
+
+The shared check (`assert_packed_equals_one_per_call`) runs here on the eager backend (the PyTorch twins, one
+sequence at a time inside the call) and in test_export_cpu.py on the cpu graphs (the native varlen ops)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import export_eager, left_padded_prompts
+
+from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
+from optimum_qwen36.nki import causal_conv1d_fn
+from optimum_qwen36.ops.conv import causal_conv1d_varlen, varlen_conv_indices
+
+
+def _runner(model) -> ModelRunner:
+    return ModelRunner(model.backend, model.new_cache(), model.neuron_config.prefill_chunk_size)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return left_padded_prompts([length], seed=seed)[0][0].tolist()
+
+
+def assert_each_as_alone(model, together: dict, ids: list[str], prompts: list[list[int]], params) -> None:
+    """Each request's greedy tokens are its solo run's, its log-probabilities within 1e-5."""
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        alone = model.create_engine()
+        solo_id = alone.add_request(prompt, params)
+        solo = alone.run()[solo_id]
+        assert together[request_id].output_ids == solo.output_ids
+        torch.testing.assert_close(
+            torch.tensor(together[request_id].output_logprobs), torch.tensor(solo.output_logprobs),
+            atol=1e-5, rtol=0,
+        )  # fmt: skip
+
+
+def assert_packed_equals_one_per_call(model, atol: float) -> None:
+    """Up to three sequences (as many as the batch has slots; row = slot, each with its row's block table):
+    one continuing 9 already-computed tokens in slot 0 with 6 more, a fresh prompt of 7 tokens in the last
+    slot, and (3 slots or more) a fresh single token in slot 1; packed in one call, then the same chunks one
+    per call on a fresh cache. Logits, the sequences' KV entries and every slot's conv and recurrent states
+    agree within `atol`."""
+    chunk, batch = model.neuron_config.prefill_chunk_size, model.neuron_config.batch_size
+    assert chunk >= 14 and batch >= 2, "the packed chunks must fit one call"
+    prefix, continued, fresh, single = _prompt(9, 1), _prompt(6, 2), _prompt(7, 3), _prompt(1, 4)
+    plans = [(fresh, 0, batch - 1), (continued, 9, 0), *([(single, 0, 1)] if batch >= 3 else [])]
+    results = []
+    for packed in (True, False):
+        runner = _runner(model)
+        tables = runner.cache.block_tables
+        runner.prefill(prefix, 0, 0, tables[0])
+        chunks = [PackedChunk(tokens, start, slot, tables[slot]) for tokens, start, slot in plans]
+        if packed:
+            logits = runner.prefill_packed(chunks)
+        else:
+            logits = torch.cat([runner.prefill(c.tokens, c.start, c.slot, c.block_table) for c in chunks])
+        results.append((logits, runner.cache))
+    (packed_logits, packed), (logits, alone) = results
+    assert packed_logits.shape == (len(plans), model.config.vocab_size)
+    torch.testing.assert_close(packed_logits, logits, atol=atol, rtol=0)
+    block_size = alone.key_cache.shape[2]
+    for tokens, start, slot in plans:
+        blocks = alone.block_tables[slot, : -(-(start + len(tokens)) // block_size)]
+        for cache_tensor in ("key_cache", "value_cache"):
+            got = getattr(packed, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
+            want = getattr(alone, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    for state in ("conv_state", "recurrent_state"):
+        torch.testing.assert_close(getattr(packed, state), getattr(alone, state), atol=atol, rtol=0)
+
+
+def test_packed_prefill_equals_one_call_per_chunk_eager(tiny_checkpoint) -> None:
+    checkpoint, _ = tiny_checkpoint(seed=3)
+    model = export_eager(checkpoint, batch_size=4, sequence_length=128, prefill_chunk_size=32)
+    assert_packed_equals_one_per_call(model, atol=1e-5)
+
+
+def test_packed_prefill_refuses_what_one_call_cannot_hold(tiny_checkpoint) -> None:
+    checkpoint, _ = tiny_checkpoint()
+    model = export_eager(checkpoint, batch_size=2, sequence_length=128, prefill_chunk_size=16)
+    runner = _runner(model)
+    table = runner.cache.block_tables[0]
+    too_many = [PackedChunk(_prompt(10, 1), 0, 0, table), PackedChunk(_prompt(7, 2), 0, 1, table)]
+    with pytest.raises(ValueError, match=r"1\.\.16 tokens in non-empty chunks"):
+        runner.prefill_packed(too_many)
+    with pytest.raises(ValueError, match="non-empty"):
+        runner.prefill_packed([PackedChunk([], 0, 0, table)])
+
+
+def test_engine_packs_the_chunks_of_a_step_and_keeps_each_requests_tokens(tiny_checkpoint) -> None:
+    """Four short prompts admitted together are prefilled in one call (the chunk holds all of them); each
+    request's greedy tokens and log-probabilities are those of its solo run."""
+    checkpoint, _ = tiny_checkpoint(seed=5)
+    model = export_eager(checkpoint, batch_size=4, sequence_length=128, prefill_chunk_size=64)
+    calls: list[int] = []
+    prefill = model.backend.prefill_chunk
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[3].numel())
+        return prefill(*args)
+
+    prompts = [_prompt(n, seed) for n, seed in ((5, 1), (17, 2), (1, 3), (30, 4))]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    engine = model.create_engine()
+    model.backend.prefill_chunk = counting
+    try:
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        together = engine.run()
+    finally:
+        del model.backend.prefill_chunk
+    assert calls == [4], calls
+    assert_each_as_alone(model, together, ids, prompts, params)
+
+
+def test_a_mixed_step_is_one_decode_call_and_one_packed_prefill(tiny_checkpoint) -> None:
+    """A step with decoding requests and a newly admitted prompt: one decode call over the decoding rows
+    (which then compute exactly as in a decode-only step), one prefill call for the chunk; every request gets
+    its solo run's greedy tokens, its log-probabilities within 1e-5."""
+    checkpoint, _ = tiny_checkpoint(seed=6)
+    model = export_eager(checkpoint, batch_size=3, sequence_length=128, prefill_chunk_size=32)
+    backend = model.backend
+    calls: list[tuple[str, int]] = []
+    prefill, decode = backend.prefill_chunk, backend.decode_step
+
+    def counting_prefill(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(("prefill", args[3].numel()))
+        return prefill(*args)
+
+    def counting_decode(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(("decode", len(args[0])))
+        return decode(*args)
+
+    prompts = [_prompt(n, seed) for n, seed in ((12, 1), (3, 2), (40, 3))]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = model.create_engine()
+    backend.prefill_chunk, backend.decode_step = counting_prefill, counting_decode
+    try:
+        first = [engine.add_request(prompt, params) for prompt in prompts[:2]]
+        engine.step()
+        engine.step()
+        calls.clear()
+        late = engine.add_request(prompts[2], params)  # 40 tokens: chunks of 32 and 8
+        engine.step()
+        engine.step()
+        assert calls == [("decode", 2), ("prefill", 1), ("decode", 2), ("prefill", 1)], calls
+        together = engine.run()
+    finally:
+        del backend.prefill_chunk, backend.decode_step
+    assert_each_as_alone(model, together, [*first, late], prompts, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_conv_equals_each_sequence_alone(dtype: torch.dtype) -> None:
+    """Sequences of 10, 0, 1, 2, 3 and 5 tokens packed (shorter than the conv's history, empty, longer):
+    each one's new conv state is bitwise that of `causal_conv1d_fn` on it alone, and its output the same
+    float32 sums (within 1e-6: ATen's SiLU rounds its vector and scalar paths differently)."""
+    lengths, width, channels = [10, 0, 1, 2, 3, 5], 4, 24
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, generator=generator).to(dtype)
+    states = torch.randn(len(lengths), channels, width - 1, generator=generator).to(dtype)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out, new_states = causal_conv1d_varlen(x, weight, states, *varlen_conv_indices(cu_seqlens, width))
+    for s, (first, end) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
+        if end == first:
+            assert torch.equal(new_states[s], states[s])
+            continue
+        alone, state = causal_conv1d_fn(
+            x[first:end].t().unsqueeze(0), weight, initial_state=states[s : s + 1]
+        )
+        torch.testing.assert_close(out[first:end], alone[0].t(), atol=1e-6, rtol=1e-6)
+        assert torch.equal(new_states[s], state[0])
