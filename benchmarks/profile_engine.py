@@ -1,7 +1,6 @@
 """Where the continuous-batching engine's time goes on bench_engine.py's burst workload: its model runner's
-prefill, packed prefill and decode calls (count, seconds, tokens; decode calls by their number of rows,
-packed calls with the number of their one-token sequences, i.e. decode rows riding along) and the rest of
-each step (scheduling, sampling, detokenising), over one engine run after a warm-up.
+prefill, packed prefill and decode calls (count, seconds, tokens; decode calls by their number of rows) and
+the rest of each step (scheduling, sampling, detokenising), over one engine run after a warm-up.
 
     python benchmarks/profile_engine.py --model /tmp/ckpt      # bench_generate.py --write-checkpoint
     python benchmarks/profile_engine.py --layers 4 --requests 8 --prompt-tokens 64 512 --output /tmp/p.json
@@ -51,9 +50,6 @@ class CallTimes:
                 entry["calls"] += 1
                 entry["seconds"] += seconds
                 entry["tokens"] += count
-            if name == "prefill_packed":
-                self.calls[name].setdefault("one_token_sequences", 0)
-                self.calls[name]["one_token_sequences"] += sum(len(chunk.tokens) == 1 for chunk in tokens)
             return out
 
         return call

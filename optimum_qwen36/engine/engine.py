@@ -197,9 +197,7 @@ class Engine:
             rows += plan.decodes
         packable = [c for c in plan.prefills if self._packable(c)]
         chunk_hidden: list[tuple[PrefillChunk, torch.Tensor]] = []
-        for chunk in plan.prefills:
-            if chunk in packable:
-                continue
+        for chunk in (c for c in plan.prefills if not self._packable(c)):
             chunk_logits, hidden = self._prefill(chunk)
             if hidden is not None:
                 chunk_hidden.append((chunk, hidden))
@@ -281,15 +279,15 @@ class Engine:
 
     def _packs(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         """The chunks in calls of at most one compiled chunk of tokens each, in plan order."""
-        packs: list[list[PrefillChunk]] = [[]]
+        packs: list[list[PrefillChunk]] = []
         size = 0
         for chunk in chunks:
-            if packs[-1] and size + chunk.num_tokens > self.prefill_chunk_size:
+            if not packs or size + chunk.num_tokens > self.prefill_chunk_size:
                 packs.append([])
                 size = 0
             packs[-1].append(chunk)
             size += chunk.num_tokens
-        return packs if chunks else []
+        return packs
 
     def _prefill_packed(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """One call over the chunks; the logits after each one's last token."""

@@ -70,8 +70,8 @@ class StepInputs:
 
     A packed prefill step (S sequences one after the other in one row of N tokens, every token real) has
     `cu_seqlens` [S + 1] (sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1]), block tables and slots
-    per sequence [S, ...], and the conv indices of `ops.conv.varlen_conv_indices` (`conv_heads`
-    [S * (W - 1)], `conv_taps` [S * (W - 1), W], `conv_tail` [S, W - 1]); no `valid` / `num_valid`."""
+    per sequence [S, ...], and the conv indices of `ops.conv.varlen_conv_indices` (`conv_heads` [S, W - 1],
+    `conv_taps` [S, W - 1, W], `conv_tail` [S, W - 1]); no `valid` / `num_valid`."""
 
     cos: torch.Tensor
     sin: torch.Tensor

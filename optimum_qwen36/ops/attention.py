@@ -17,12 +17,12 @@ sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1] with the blocks block_tabl
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 
 from .native import layer_index
+from .varlen import sequence_spans
 
 # (query [B, T, H, D], key_cache, value_cache [L, blocks, block_size, KVH, D], cache_idx, block_tables
 # [B, max_blocks], positions [B, T], scale) -> [B, T, H, D]
@@ -95,13 +95,11 @@ def paged_attention_varlen_torch(
     scale: float,
 ) -> torch.Tensor:
     out = torch.zeros_like(query)
-    bounds = cu_seqlens.tolist()
-    for s, (first, end) in enumerate(itertools.pairwise(bounds)):
-        if end > first:
-            out[:, first:end] = paged_attention_torch(
-                query[:, first:end], key_cache, value_cache, cache_idx, block_tables[s : s + 1],
-                positions[:, first:end], scale,
-            )  # fmt: skip
+    for s, tokens in sequence_spans(cu_seqlens):
+        out[:, tokens] = paged_attention_torch(
+            query[:, tokens], key_cache, value_cache, cache_idx, block_tables[s : s + 1],
+            positions[:, tokens], scale,
+        )  # fmt: skip
     return out
 
 

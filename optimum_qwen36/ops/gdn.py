@@ -23,13 +23,13 @@ Outputs are in v's dtype.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 
 from ..nki import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .native import layer_index
+from .varlen import sequence_spans
 
 # (q, k, v, g, beta, recurrent_state, cache_idx, slots, scale) -> o
 GDNStep = Callable[..., torch.Tensor]
@@ -143,14 +143,11 @@ def gdn_prefill_chunk_torch(
     if cu_seqlens is None:
         return _chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
     out = torch.zeros_like(v)
-    bounds = cu_seqlens.tolist()
-    for s, (first, end) in enumerate(itertools.pairwise(bounds)):
-        if end > first:
-            part = slice(first, end)
-            out[:, part] = _chunk_torch(
-                q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], recurrent_state, cache_idx,
-                slots[s : s + 1], scale,
-            )  # fmt: skip
+    for s, tokens in sequence_spans(cu_seqlens):
+        out[:, tokens] = _chunk_torch(
+            q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens], recurrent_state,
+            cache_idx, slots[s : s + 1], scale,
+        )  # fmt: skip
     return out
 
 
