@@ -1,12 +1,15 @@
-"""Shared test utilities: left-padded random prompts, exporting a tiny checkpoint, a free local port."""
+"""Shared test utilities: left-padded random prompts, exporting a tiny checkpoint, a free local port, a
+logits processor that fails in one process."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.logits_process import LogitsProcessor
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 
@@ -136,3 +139,17 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class FailsInOneProcess(LogitsProcessor):
+    """Raises at its `at`-th call in the process that made it (`here`), or else in the processes it was sent
+    to (a tensor-parallel model's workers; they import it from this module)."""
+
+    def __init__(self, here: bool, at: int = 3) -> None:
+        self.pid, self.here, self.at, self.calls = os.getpid(), here, at, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and (os.getpid() == self.pid) == self.here:
+            raise RuntimeError(f"failing on purpose in process {os.getpid()}")
+        return scores

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
-from helpers import export_eager, free_port, left_padded_prompts
+from helpers import FailsInOneProcess, export_eager, free_port, left_padded_prompts
 from safetensors.torch import load_file
 from transformers.generation.logits_process import LogitsProcessorList
 
@@ -246,6 +246,38 @@ def test_killed_worker_ends_the_model_with_a_clear_error(checkpoint: Path) -> No
     assert time.monotonic() - start < 30
     with pytest.raises(TensorParallelWorkerError, match="cannot run any more"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("here", [True, False], ids=["rank-0", "worker"])
+def test_a_rank_failing_alone_ends_the_model_at_once_with_its_error(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, here: bool
+) -> None:
+    """The others are then waiting at the next step's lockstep check (not stuck in a collective)."""
+    tests = str(Path(__file__).parent)  # the workers unpickle the processor from tests/helpers.py
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    model = export_eager(checkpoint, tp_degree=2, **SETTINGS)
+    processors = LogitsProcessorList([FailsInOneProcess(here)])
+    failed = r"rank 0 failed alone \(RuntimeError" if here else r"worker rank 1 failed \(RuntimeError"
+    start = time.monotonic()
+    with pytest.raises(TensorParallelWorkerError, match=f"{failed}: failing on purpose"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, logits_processor=processors)
+    assert time.monotonic() - start < 5
+
+
+def test_diverged_ranks_end_the_model_with_a_clear_error(checkpoint: Path) -> None:
+    """Ranks that plan different steps (here rank 0's engine has one GDN slot fewer, so it admits fewer
+    requests) are stopped before their collectives mismatch (gloo would abort the process or hang)."""
+    engine = export_eager(checkpoint, tp_degree=2, **SETTINGS).create_engine()
+    engine._engine.scheduler._free_slots.pop()  # rank 0's engine only
+    for length in (40, 20, 30):
+        engine.add_request(list(range(1, length)), SamplingParams(max_tokens=4, temperature=0.0))
+    start = time.monotonic()
+    diverged = r"ranks diverged \(both at prefill_chunk .* with different inputs"
+    with pytest.raises(TensorParallelWorkerError, match=diverged):
+        engine.run()
+    assert time.monotonic() - start < 5
+    with pytest.raises(TensorParallelWorkerError, match="cannot run any more"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

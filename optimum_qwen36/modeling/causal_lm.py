@@ -33,6 +33,7 @@ from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
 from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
 from ..parallel.group import TensorParallelGroup, launch
+from ..parallel.lockstep import LockstepBackend
 from ..parallel.replicated import Driver, Replicas, ReplicatedEngine, Worker, serve_driver, tensor_digest
 from ..prefix_caching import PrefixCache, build_prefix_cache
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
@@ -123,6 +124,9 @@ class NeuronModelForCausalLM:
         self.config = config
         self.neuron_config = neuron_config
         self.model = model
+        # With tp_degree > 1 the ranks compare each step's inputs before running it (parallel/lockstep.py).
+        if tensor_parallel is not None:
+            backend = LockstepBackend(backend, tensor_parallel.lockstep)
         self.backend = backend
         self.generation_config = generation_config
         self.tokenizer_dir = tokenizer_dir

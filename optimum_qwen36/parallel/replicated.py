@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..engine.sampling import SamplingParams
 from .group import COLLECTIVE_TIMEOUT, TensorParallelGroup, TensorParallelWorkerError
+from .lockstep import Lockstep, RanksDiverged
 
 # How long the ranks of a call that raised wait for each other's outcome: a bad input raises on every rank
 # at once; if some rank raised alone, the others are stuck in a collective and the group is broken.
@@ -63,6 +64,7 @@ class Replicas:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self._next_id = itertools.count()
+        self.lockstep = Lockstep(group)  # the model's backend checks each step with it
 
     def register(self, obj: Any) -> int:
         raise NotImplementedError
@@ -146,10 +148,15 @@ class Driver(Replicas):
             try:
                 for rank in range(1, self.group.degree):
                     self.group.post_bytes(f"call/{number}/{rank}", payload)
+                self.lockstep.begin(number)
                 result = getattr(target, method)(*args, **kwargs, **(local_kwargs or {}))
+                self.lockstep.end()
             except TensorParallelWorkerError:
                 raise
+            except RanksDiverged as error:
+                raise self._fail(str(error)) from None
             except BaseException as error:
+                self.lockstep.abandon()
                 self._after_failure(number, error)
                 raise
             try:
@@ -176,6 +183,7 @@ class Driver(Replicas):
 
     def _fail(self, reason: str) -> TensorParallelWorkerError:
         """End the group; torchrun's workers (not processes of ours) are told to stop at their next call."""
+        self.lockstep.abandon()  # a worker may wait for rank 0's next step
         error = self.group.fail(reason)
         number = next(self._calls)
         for rank in range(1, self.group.degree):
@@ -280,14 +288,18 @@ class Worker(Replicas):
                     self.objects.pop(replica, None)
                 torch.set_rng_state(call.rng_state)
                 self.group.bind()
+                self.lockstep.begin(number)
                 result = getattr(self.objects[call.target], call.method)(*call.args, **call.kwargs)
+                self.lockstep.end()
             except BaseException as error:
+                step = self.lockstep.index
                 self.group.post(f"done/{number}/{rank}", (False, f"{type(error).__name__}: {error}"))
                 verdict = f"verdict/{number}/{rank}"
                 if not self.group.wait_for(verdict, FAILURE_GRACE, lambda: None) or not self.group.take(
                     verdict
                 ):
                     raise  # rank 0 did not fail the same way: the group is broken, and this worker ends
+                self.lockstep.forget_abandoned(number, step)
                 continue
             self.group.post(
                 f"done/{number}/{rank}", (True, None if call.digest is None else call.digest(result))
