@@ -270,6 +270,24 @@ def test_abort_frees_the_slot_and_blocks_at_once(cached) -> None:
     assert not engine.has_unfinished() and engine.abort(request_id) is None
 
 
+def test_a_reusable_prefix_is_checkpointed_where_the_next_turn_branches_off(cold, cached) -> None:
+    """A chat's next turn shares its history, not its generation prompt: a 196-token prompt whose history
+    is its first 190 tokens has its end checkpoint at 192, past the branch point, so a follow-up hits
+    nothing unless the history was declared reusable (then the checkpoint at 128 serves it); warm tokens
+    equal cold ones."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine = cached.create_engine()
+    for seed, reusable_prefix, hit in ((21, None, 0), (31, 190, 128)):
+        history = tokens(190, seed)
+        first = engine.add_request(history + tokens(6, seed + 1), params, reusable_prefix=reusable_prefix)
+        engine.run()
+        follow_up = history + tokens(40, seed + 2)
+        request_id = engine.add_request(follow_up, params)
+        done = engine.run()[request_id]
+        assert done.cached_prompt_tokens == hit, (first, reusable_prefix)
+        assert done.output_ids == solo(cold, follow_up, params).output_ids
+
+
 def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:
     engine = cold.create_engine()
     too_long = [1] * SETTINGS["sequence_length"]
@@ -278,6 +296,8 @@ def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:
             engine.add_request(prompt)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         engine.add_request([1, 2], SamplingParams(stop=("x",)))
+    with pytest.raises(ValueError, match="reusable_prefix=3 must be between 0 and the prompt's 2 tokens"):
+        engine.add_request([1, 2], reusable_prefix=3)
     assert not engine.has_unfinished()
     for bad, message in (
         (dict(temperature=-1), "temperature"),

@@ -332,6 +332,29 @@ def test_cached_tokens_on_a_repeated_prefix(client) -> None:
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_the_next_chat_turn_reuses_the_history_even_where_the_prompt_end_checkpoint_cannot(
+    client, model
+) -> None:
+    """The next turn renders the history again but not this turn's generation prompt (its empty think block
+    goes): with the first prompt sized so that its last multiple of 64 lies inside the generation prompt,
+    only the checkpoint at the history's end (the server passes it as the prompt's reusable prefix) serves
+    the next turn."""
+    from optimum_qwen36.server.chat import encode_chat
+
+    tokenizer = served_tokenizer(model)
+    for words in range(40, 200):
+        messages = [{"role": "user", "content": "quartz meadow " * words}]
+        first = encode_chat(tokenizer, messages, [], {"enable_thinking": False})
+        if (len(first.token_ids) - 1) // 64 * 64 > first.history + 3:  # the next turn diverges at +3
+            break
+    answer = chat(client, messages, max_tokens=4, extra_body=NO_THINKING)
+    assert answer.usage.prompt_tokens == len(first.token_ids)
+    messages += [{"role": "assistant", "content": answer.choices[0].message.content}]
+    messages += [{"role": "user", "content": "And then?"}]
+    follow_up = chat(client, messages, max_tokens=4, extra_body=NO_THINKING)
+    assert follow_up.usage.prompt_tokens_details.cached_tokens == first.history // 64 * 64 > 0
+
+
 def test_concurrent_streaming_clients_match_their_solo_outputs(client) -> None:
     prompts = [[3000 + 37 * i + j for j in range(5 + 23 * i)] for i in range(16)]
 

@@ -102,9 +102,13 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         constraint: TokenConstraint | None = None,
+        reusable_prefix: int | None = None,
     ) -> str:
         """Queue a prompt (token ids); returns its request id. `constraint` restricts which tokens it may
-        produce (structured output). Bad input raises ValueError, and nothing is queued."""
+        produce (structured output). `reusable_prefix`: how many leading prompt tokens later requests are
+        expected to share (a chat's history without its generation prompt, which the next turn renders
+        differently), so that the prefix cache keeps a GDN state checkpoint there. Bad input raises
+        ValueError, and nothing is queued."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -123,6 +127,10 @@ class Engine:
                 f"prompt_logprobs needs every prompt position's logits, which the {self.runner.backend.name} "
                 "backend does not return: use the eager, cpu or cuda backend, or leave prompt_logprobs unset."
             )
+        if reusable_prefix is not None and not 0 <= reusable_prefix <= len(ids):
+            raise ValueError(
+                f"reusable_prefix={reusable_prefix} must be between 0 and the prompt's {len(ids)} tokens."
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need a tokenizer: create the engine with one, or use stop_token_ids."
@@ -130,7 +138,14 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        request = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids, constraint=constraint)
+        request = Request(
+            request_id,
+            ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            constraint=constraint,
+            reusable_prefix=reusable_prefix,
+        )
         self.scheduler.add(request)
         self._requests[request_id] = request
         if self.tokenizer is not None:

@@ -93,6 +93,7 @@ class EngineLoop:
         request_id: str | None,
         sink: Sink,
         constraint: TokenConstraint | None = None,
+        reusable_prefix: int | None = None,
     ) -> Future[str]:
         """Queue a request whose outputs (or the engine's exception) are passed to `sink` on the loop
         thread; the future gives its id, or the error that refused it."""
@@ -100,7 +101,7 @@ class EngineLoop:
 
         def add() -> None:
             try:
-                rid = self.engine.add_request(prompt_ids, params, request_id, constraint)
+                rid = self.engine.add_request(prompt_ids, params, request_id, constraint, reusable_prefix)
             except Exception as error:  # handed to the submitting thread
                 added.set_exception(error)
                 return
@@ -230,16 +231,18 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         constraint: TokenConstraint | None = None,
+        reusable_prefix: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine produces them; raises ValueError for bad
-        input before yielding anything. Closing the iterator before the end aborts the request."""
+        input before yielding anything. Closing the iterator before the end aborts the request (the
+        arguments are `Engine.add_request`'s)."""
         running = asyncio.get_running_loop()
         items: asyncio.Queue[_Item] = asyncio.Queue()
 
         def sink(item: _Item) -> None:
             running.call_soon_threadsafe(items.put_nowait, item)
 
-        added = self.loop.add(prompt_ids, params, request_id, sink, constraint)
+        added = self.loop.add(prompt_ids, params, request_id, sink, constraint, reusable_prefix)
         try:
             rid = await asyncio.wrap_future(added)
         except asyncio.CancelledError:

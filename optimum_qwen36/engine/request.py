@@ -45,6 +45,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     constraint: TokenConstraint | None = field(default=None, repr=False)  # e.g. a JSON-schema grammar
+    # The leading prompt tokens later requests are expected to share (the prefix cache checkpoints there).
+    reusable_prefix: int | None = None
     # MTP speculative decoding: tokens drafted after output_ids[-1], verified by the next decode step.
     draft_ids: list[int] = field(default_factory=list)
     # params.prompt_logprobs: per prompt position, the token's log-probability and the top ones (None at 0

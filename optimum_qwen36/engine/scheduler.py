@@ -182,7 +182,8 @@ class Scheduler:
         first = min(request.num_tokens, budget, self.prefill_chunk_size)
         if self.prefix_cache.available_blocks() < -(-first // block_size):
             return None  # cheap check before the lookup: a miss needs at least this much
-        seq = self.prefix_cache.begin(request.token_ids, reuse=not request.needs_prompt_logprobs)
+        reuse = not request.needs_prompt_logprobs
+        seq = self.prefix_cache.begin(request.token_ids, reuse, request.reusable_prefix)
         first_end = min(request.num_tokens, seq.cached_tokens + first)
         needed = -(-first_end // block_size) - len(seq.block_ids)
         if self.prefix_cache.available_blocks() < needed:

@@ -340,8 +340,9 @@ class ReplicatedEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         constraint: Any = None,
+        reusable_prefix: int | None = None,
     ) -> str:
-        args = ([int(t) for t in prompt_ids], fill_seed(params), request_id, constraint)
+        args = ([int(t) for t in prompt_ids], fill_seed(params), request_id, constraint, reusable_prefix)
         return self._driver.call(self._engine, "add_request", args)
 
     def abort(self, request_id: str, after_error: bool = False) -> Any:

@@ -10,7 +10,10 @@ returns the longest p backed by both. Checkpoint positions are multiples of ``gr
 * the point where a prompt branches off a cached path, so that its later siblings hit;
 * every ``checkpoint_interval`` tokens inside long prompts;
 * after generation (the last multiple reached while decoding), so that the next turn of a
-  conversation reuses the answer.
+  conversation reuses the answer;
+* at the end of the prompt's ``reusable_prefix`` when its caller knows where later prompts will branch
+  off (a chat's history without the generation prompt, which the next turn's template renders
+  differently: the last multiple before the prompt's end may lie past that point).
 
 Eviction is LRU over unreferenced leaf blocks and unpinned checkpoints: only leaves go, so a
 checkpoint never outlives its KV prefix (a block's checkpoint is dropped with it), and blocks used
@@ -150,9 +153,12 @@ class PrefixCache:
         )
 
     # ------------------------------------------------------------------ lookup / lifecycle
-    def begin(self, token_ids: Sequence[int], reuse: bool = True) -> CachedSequence:
+    def begin(
+        self, token_ids: Sequence[int], reuse: bool = True, reusable_prefix: int | None = None
+    ) -> CachedSequence:
         """Look up a prompt and acquire its longest backed prefix (blocks referenced, checkpoint pinned).
-        `reuse=False` (the prompt's log-probabilities are wanted): a miss, whatever is cached."""
+        `reuse=False` (the prompt's log-probabilities are wanted): a miss, whatever is cached.
+        `reusable_prefix`: the leading tokens later prompts are expected to share (checkpointed too)."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot look up an empty prompt")
@@ -192,6 +198,8 @@ class PrefixCache:
         end = (n - 1) // g * g
         branch = min(len(path) * bs, n - 1) // g * g
         stops = {end, branch}
+        if reusable_prefix is not None:
+            stops.add(min(reusable_prefix, n - 1) // g * g)
         if self.config.checkpoint_interval:
             stops.update(range(self.config.checkpoint_interval, end, self.config.checkpoint_interval))
         c = self._counters

@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import AsyncEngine, EngineDeadError, RequestOutput, SamplingParams, TokenConstraint
-from .chat import ChatDelta, ChatOutputParser, check_tools, forced_tool_grammar, render_chat
+from .chat import ChatDelta, ChatOutputParser, check_tools, encode_chat, forced_tool_grammar, render_chat
 from .errors import OpenAIError, bad_request, install_error_handlers
 from .metrics import ServerMetrics
 from .protocol import (
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # Sampling fields a model's generation_config.json may set as defaults (vLLM applies the same ones).
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# One engine request of an HTTP request: choice index, prompt ids, params, constraint, request id, and the
+# prompt's reusable prefix (`Engine.add_request`).
+EngineRequestSpec = tuple[int, list[int], SamplingParams, TokenConstraint | None, str, int | None]
 
 
 @dataclass
@@ -216,11 +219,9 @@ class OpenAIServer:
         return self.structured.json_constraint(rf.json_schema.json_schema, gate)
 
     # ------------------------------------------------------------------ running choices
-    def run_group(
-        self, specs: list[tuple[int, list[int], SamplingParams, TokenConstraint | None, str]]
-    ) -> _Runs:
-        """The engine requests of one HTTP request (index, prompt ids, params, constraint, request id),
-        counted against the server's capacity from now until each ends."""
+    def run_group(self, specs: list[EngineRequestSpec]) -> _Runs:
+        """The engine requests of one HTTP request (index, prompt ids, params, constraint, request id, the
+        prompt's reusable prefix), counted against the server's capacity from now until each ends."""
         self.admit(len(specs))
         self._in_flight += len(specs)
         return _Runs(self, [_EngineRun(self, *spec) for spec in specs])
@@ -237,20 +238,27 @@ class _EngineRun:
         params: SamplingParams,
         constraint: TokenConstraint | None,
         request_id: str,
+        reusable_prefix: int | None,
     ) -> None:
         self.server, self.index = server, index
         self._released = False
-        self.outputs = self._outputs(prompt_ids, params, constraint, request_id)
+        self.outputs = self._outputs(prompt_ids, params, constraint, request_id, reusable_prefix)
 
     async def _outputs(
-        self, prompt_ids: list[int], params: SamplingParams, constraint: TokenConstraint | None, rid: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None,
+        rid: str,
+        reusable_prefix: int | None,
     ) -> AsyncIterator[RequestOutput]:
         server = self.server
         arrival = time.monotonic()
         times: list[float] = []
         try:
             engine = server.ready().engine
-            async with contextlib.aclosing(engine.generate(prompt_ids, params, rid, constraint)) as outs:
+            outputs = engine.generate(prompt_ids, params, rid, constraint, reusable_prefix)
+            async with contextlib.aclosing(outputs) as outs:
                 async for output in outs:
                     times += [time.monotonic()] * len(output.new_token_ids)
                     if output.finished and output.finish_reason is not None:
@@ -574,7 +582,7 @@ async def _completions(server: OpenAIServer, body: CompletionRequest, request: R
             )
             constraint = await asyncio.to_thread(server.response_constraint, body, None)
             choices.append(_Choice(index, prompt_ids))
-            specs.append((index, prompt_ids, params, constraint, f"{rid}-{index}"))
+            specs.append((index, prompt_ids, params, constraint, f"{rid}-{index}", None))
     runs = server.run_group(specs)
     tokenizer = model.tokenizer
 
@@ -728,8 +736,8 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
     shown_tools = [] if choice_kind == "none" else tools
     template_kwargs = {"enable_thinking": server.settings.default_enable_thinking}
     template_kwargs.update(body.chat_template_kwargs or {})
-    prompt = render_chat(model.tokenizer, body.messages, shown_tools, template_kwargs)
-    prompt_ids = server.check_ids(model.tokenizer.encode(prompt, add_special_tokens=False), "messages")
+    chat_prompt = encode_chat(model.tokenizer, body.messages, shown_tools, template_kwargs)
+    prompt, prompt_ids = chat_prompt.text, server.check_ids(chat_prompt.token_ids, "messages")
     in_reasoning = prompt_opens_reasoning(prompt)
     gate = model.tokenizer.convert_tokens_to_ids(THINK_END) if in_reasoning else None
     server.admit(body.n)
@@ -750,7 +758,7 @@ async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Requ
             constraint = await asyncio.to_thread(server.response_constraint, body, gate)
         choices.append(_Choice(j, prompt_ids))
         parsers.append(ChatOutputParser(in_reasoning, shown_tools if choice_kind != "none" else None))
-        specs.append((j, prompt_ids, params, constraint, f"{rid}-{j}"))
+        specs.append((j, prompt_ids, params, constraint, f"{rid}-{j}", chat_prompt.history))
     runs = server.run_group(specs)
     name = server.settings.served_model_name
 

@@ -107,6 +107,37 @@ def render_chat(
 
 
 @dataclass
+class ChatPrompt:
+    """A rendered chat prompt: its text, its token ids, and how many of them are the conversation so far
+    (`history`: everything before the generation prompt, which the next turn renders again while its
+    template writes this turn's answer differently), None when that is not a token prefix."""
+
+    text: str
+    token_ids: list[int]
+    history: int | None
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+) -> ChatPrompt:
+    """The prompt with the generation prompt, tokenized as the history's tokens then the generation prompt's
+    when the generation prompt starts with an added token (tokenizers split those out first, so the two
+    parts tokenize as the whole does); else as one text, without a history length."""
+    text = render_chat(tokenizer, messages, tools, template_kwargs)
+    history = render_chat(tokenizer, messages, tools, template_kwargs, add_generation_prompt=False)
+    suffix = text[len(history) :]
+    added = tuple(tokenizer.added_tokens_encoder)
+    if not text.startswith(history) or not added or not suffix.startswith(added):
+        return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=False), None)
+    history_ids = tokenizer.encode(history, add_special_tokens=False)
+    ids = history_ids + tokenizer.encode(suffix, add_special_tokens=False)
+    return ChatPrompt(text, ids, len(history_ids))
+
+
+@dataclass
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
