@@ -15,8 +15,8 @@ tokens), TPOT (per request: (last - first token) / (tokens - 1)) and end-to-end 
 tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`). Each workload is run
 `--repeats` times, the servers alternating; the JSON keeps every run and min / median / max.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_serving.py                 # the default 0.75B model
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_serving.py --layers 4 --requests 16 --rates 1 \\
+    python benchmarks/bench_serving.py                 # the default 0.75B model
+    python benchmarks/bench_serving.py --layers 4 --requests 16 --rates 1 \\
         --concurrency 1 4 8 --prompt-tokens 64 512 --output-tokens 32 --conversations 2 --turns 3
     python benchmarks/bench_serving.py --model CKPT --peer-url http://127.0.0.1:8000 --peer-name vllm-cpu
 

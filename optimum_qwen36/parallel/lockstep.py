@@ -118,7 +118,7 @@ class Lockstep:
                 return None
             ok, value = self.group.take(done)
             what = "finished the call" if ok else f"failed ({value})"
-            return f"tensor-parallel worker rank {rank} {what} while rank 0 was about to run {description}"
+            return f"tensor-parallel worker rank {rank} {what} while rank 0 was at {description}"
 
         try:
             posted = self.group.wait_for(key, STEP_TIMEOUT, gone)
