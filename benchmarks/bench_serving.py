@@ -3,7 +3,8 @@ here as a subprocess) and, when one is given, a peer's OpenAI-compatible server 
 `../shared/peers/vllm_serve.sh CKPT PORT`) on the same request trace, from the `openai` client.
 
 Workloads (every request greedy, `ignore_eos`, so each side computes the same number of tokens; prompts are
-random token ids of `--prompt-tokens MIN MAX` from a fixed seed, `--output-tokens` new tokens each):
+random token ids of `--prompt-tokens MIN MAX` from a fixed seed, each workload and repeat its own, so none
+hits another's prefixes; `--output-tokens` new tokens each):
 - `poisson@R`: `--requests` requests arriving at R requests/s (`--rates`);
 - `concurrency@C`: `--requests` requests, C in flight at any time (`--concurrency`);
 - `multi-turn`: `--conversations` chats of `--turns` turns, one after another: a first message of
@@ -132,7 +133,7 @@ class Client:
         return await self._consume(stream, timeline, chat=True)
 
 
-def prompts(args: argparse.Namespace, vocab: int, count: int, seed: int) -> list[list[int]]:
+def prompts(args: argparse.Namespace, vocab: int, count: int, seed: str) -> list[list[int]]:
     rng = random.Random(seed)
     low, high = args.prompt_tokens
     return [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(low, high))] for _ in range(count)]
@@ -222,14 +223,19 @@ def served_model_name(url: str) -> str:
 
 
 def run_workloads(client: Client, args: argparse.Namespace, vocab: int, seed: int) -> dict[str, dict]:
-    """Every workload once; {workload: summary}."""
+    """Every workload once, each on its own prompts (one workload must not hit another's prefixes: that
+    would measure the prefix cache, not the batching); {workload: summary}."""
     out: dict[str, dict] = {}
     for rate in args.rates:
-        done, elapsed = asyncio.run(poisson(client, prompts(args, vocab, args.requests, seed), rate, seed))
-        out[f"poisson@{rate:g}"] = summary(done, elapsed)
+        name = f"poisson@{rate:g}"
+        work = prompts(args, vocab, args.requests, f"{seed}/{name}")
+        done, elapsed = asyncio.run(poisson(client, work, rate, seed))
+        out[name] = summary(done, elapsed)
     for limit in args.concurrency:
-        done, elapsed = asyncio.run(concurrency(client, prompts(args, vocab, args.requests, seed), limit))
-        out[f"concurrency@{limit}"] = summary(done, elapsed)
+        name = f"concurrency@{limit}"
+        work = prompts(args, vocab, args.requests, f"{seed}/{name}")
+        done, elapsed = asyncio.run(concurrency(client, work, limit))
+        out[name] = summary(done, elapsed)
     if args.conversations:
         turns, elapsed = asyncio.run(multi_turn(client, args, seed))
         cold, warm = summary(turns["cold"], elapsed), summary(turns["warm"], elapsed)
@@ -249,19 +255,20 @@ def _scaled(summary: dict, factor: float) -> dict:
 
 def table(report: dict) -> str:
     lines = [
-        "| workload | server | output tok/s | req/s | TTFT p50 / p99 s | ITL p50 / p99 ms | TPOT p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | server | output tok/s | req/s | TTFT p50 / p99 s | ITL p50 / p99 ms | TPOT p99 ms "
+        "| cached |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for workload, servers in report["results"].items():
         for server, m in servers.items():
             if "skipped" in m:
-                lines.append(f"| {workload} | {server} | skipped: {m['skipped']} | | | | |")
+                lines.append(f"| {workload} | {server} | skipped: {m['skipped']} | | | | | |")
             elif workload == "multi-turn":
                 lines.append(
                     f"| {workload} | {server} | TTFT p50 cold {fmt(m['ttft_cold_p50_s'], 2)} s, warm "
                     f"{fmt(m['ttft_warm_p50_s'], 2)} s, warm / cold {fmt(m['warm_over_cold_ttft'], 2)}; "
                     f"prompt tokens from the prefix cache: warm {fmt(m['prefix_hit_rate_warm'], 2)}, cold "
-                    f"{fmt(m['prefix_hit_rate_cold'], 2)} | | | | |"
+                    f"{fmt(m['prefix_hit_rate_cold'], 2)} | | | | | |"
                 )
             else:
                 ms = {k: _scaled(m[k], 1e3) for k in ("itl_p50_s", "itl_p99_s", "tpot_p99_s")}
@@ -269,7 +276,8 @@ def table(report: dict) -> str:
                     f"| {workload} | {server} | {fmt(m['output_tok_per_s'])} | "
                     f"{fmt(m['requests_per_s'], 2)} | "
                     f"{fmt(m['ttft_p50_s'], 2)} / {fmt(m['ttft_p99_s'], 2)} | {fmt(ms['itl_p50_s'], 0)} / "
-                    f"{fmt(ms['itl_p99_s'], 0)} | {fmt(ms['tpot_p99_s'], 0)} |"
+                    f"{fmt(ms['itl_p99_s'], 0)} | {fmt(ms['tpot_p99_s'], 0)} | "
+                    f"{fmt(m['prefix_hit_rate'], 2)} |"
                 )
     return "\n".join(lines)
 
