@@ -5,7 +5,7 @@ The ranks run the same deterministic code, so they reach the same steps with the
 not (a scheduling decision that depended on something only rank 0 had, say), their collectives no longer
 pair up: gloo then waits for its 10-minute timeout, or aborts the process when two collectives of different
 sizes meet. Comparing each step's inputs first turns that into a clear error, on every rank, before any
-collective of the step runs. The exchange goes through the store (a few hundred microseconds a step) and
+collective of the step runs. The exchange goes through the store (one round trip a step) and
 not through a collective, so a rank that waits can also see that the others finished the call, failed, or
 died, instead of waiting for them.
 
@@ -94,16 +94,15 @@ class Lockstep:
                 self.group.post(self._key(self._index, 0, rank), (FAILED, FAILED))
         self._call = None
 
-    def forget_abandoned(self, call: int, index: int) -> None:
-        """A worker whose call raised as rank 0's did: drop the `FAILED` rank 0 posted for its next step."""
-        self.group.store.delete_key(self._key(index, 0, self.group.rank, call))
+    def forget_abandoned(self) -> None:
+        """A worker whose call raised as rank 0's did (both at the same step): drop the `FAILED` rank 0
+        posted for its next step."""
+        if self._call is not None:
+            self.group.store.delete_key(self._key(self._index, 0, self.group.rank))
+        self._call = None
 
-    @property
-    def index(self) -> int:
-        return self._index
-
-    def _key(self, index: int, sender: int, receiver: int, call: int | None = None) -> str:
-        return f"lockstep/{self._call if call is None else call}/{index}/{sender}->{receiver}"
+    def _key(self, index: int, sender: int, receiver: int) -> str:
+        return f"lockstep/{self._call}/{index}/{sender}->{receiver}"
 
     def _driver_take(self, index: int, rank: int, description: str) -> tuple[str, str]:
         """Rank `rank`'s step, or an error if it finished or failed the call, or died, instead."""

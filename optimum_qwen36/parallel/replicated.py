@@ -283,23 +283,22 @@ class Worker(Replicas):
             if raw == pickle.dumps(CLOSE):
                 return
             try:
+                self.lockstep.begin(number)
                 call: Call = _Unpickler(io.BytesIO(raw), self.objects).load()
                 for replica in call.released:
                     self.objects.pop(replica, None)
                 torch.set_rng_state(call.rng_state)
                 self.group.bind()
-                self.lockstep.begin(number)
                 result = getattr(self.objects[call.target], call.method)(*call.args, **call.kwargs)
                 self.lockstep.end()
             except BaseException as error:
-                step = self.lockstep.index
                 self.group.post(f"done/{number}/{rank}", (False, f"{type(error).__name__}: {error}"))
                 verdict = f"verdict/{number}/{rank}"
                 if not self.group.wait_for(verdict, FAILURE_GRACE, lambda: None) or not self.group.take(
                     verdict
                 ):
                     raise  # rank 0 did not fail the same way: the group is broken, and this worker ends
-                self.lockstep.forget_abandoned(number, step)
+                self.lockstep.forget_abandoned()
                 continue
             self.group.post(
                 f"done/{number}/{rank}", (True, None if call.digest is None else call.digest(result))

@@ -130,7 +130,7 @@ def encode_chat(
     history = render_chat(tokenizer, messages, tools, template_kwargs, add_generation_prompt=False)
     suffix = text[len(history) :]
     added = tuple(tokenizer.added_tokens_encoder)
-    if not text.startswith(history) or not added or not suffix.startswith(added):
+    if not text.startswith(history) or not suffix.startswith(added):
         return ChatPrompt(text, tokenizer.encode(text, add_special_tokens=False), None)
     history_ids = tokenizer.encode(history, add_special_tokens=False)
     ids = history_ids + tokenizer.encode(suffix, add_special_tokens=False)
