@@ -179,6 +179,18 @@ def test_split_kv_heads_tied_embeddings_and_an_engine_outliving_its_model(tmp_pa
     assert outputs[0] == outputs[1]
 
 
+def test_closing_the_model_lets_every_worker_leave_before_rank_0(checkpoint: Path) -> None:
+    """Rank 0 holds the store: it waits until each worker has released its group and said so, and the
+    workers end by themselves (exit code 0) instead of being terminated."""
+    model = export_eager(checkpoint, tp_degree=2, **SETTINGS)
+    model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=2, do_sample=False)
+    group = model.tensor_parallel.group
+    del model
+    gc.collect()
+    assert [worker.returncode for worker in group.workers] == [0]
+    assert group.store.check(["left/1"])
+
+
 def test_save_and_load(two, checkpoint: Path, tmp_path: Path) -> None:
     directory = tmp_path / "saved"
     two.save_pretrained(directory)
@@ -322,7 +334,9 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path, nodes: int) -> N
             second_out, second_err = second.communicate(timeout=60)
         finally:
             second.kill()  # never left running when the first launcher fails or times out
-        assert second.returncode == 0, second_err[-3000:]
+        # either launcher's failure can surface in the other (its agent loses the rendezvous): show both
+        both = f"first launcher:\n{result.stderr[-3000:]}\nsecond launcher:\n{second_err[-3000:]}"
+        assert (result.returncode, second.returncode) == (0, 0), both
         # rank 0 (which prints) runs under one launcher or the other
         result.stdout += second_out
     assert result.returncode == 0, result.stderr[-3000:]

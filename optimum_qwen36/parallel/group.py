@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 # a worker may take to build its model shard (load, shard and, for compiled backends, compile).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 STARTUP_TIMEOUT = datetime.timedelta(hours=2)
+# How long the driver, closing the model, waits for each worker to report that it has released its groups.
+LEAVE_TIMEOUT = datetime.timedelta(seconds=30)
 # How often a wait for a store key checks whether the workers still run.
 POLL_SECONDS = 0.01
 HOST = "127.0.0.1"
@@ -216,6 +218,27 @@ class TensorParallelGroup:
             f"{reason}. The model cannot run any more: create it again (from_pretrained)."
         )
 
+    def leave(self) -> None:
+        """A worker's last act once the driver closed the model: release its process group (destroying
+        torch.distributed's default group if this group initialized it), then tell the driver, which waits
+        for every rank before it releases its own: rank 0's process holds the store, so it goes last, and no
+        rank tears down its gloo connections while another still holds them."""
+        self._release_groups()
+        self.post(f"left/{self.rank}", None)
+
+    def wait_until_left(self) -> None:
+        """The driver, closing the model: wait (at most LEAVE_TIMEOUT each) until every worker has left,
+        and until the spawned ones have exited."""
+        for rank in range(1, self.degree):
+            try:
+                if not self.wait_for(f"left/{rank}", LEAVE_TIMEOUT, self.worker_status):
+                    logger.warning("tensor-parallel rank %d did not leave within %s", rank, LEAVE_TIMEOUT)
+            except (TensorParallelWorkerError, dist.DistNetworkError) as gone:  # nothing left to wait for
+                logger.info("tensor-parallel rank %d is gone: %s", rank, gone)
+        for process in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # shutdown() stops what is still running
+                process.wait(timeout=LEAVE_TIMEOUT.total_seconds())
+
     def shutdown(self) -> None:
         """Stop the spawned workers (a torchrun job's workers stop when they read the `close` call), and
         destroy the default process group if this group initialized it."""
@@ -228,6 +251,9 @@ class TensorParallelGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self._release_groups()
+
+    def _release_groups(self) -> None:
         self.process_group = None
         if self.owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -268,6 +294,7 @@ def worker_main(rank: int, degree: int, port: int, threads: int) -> None:
     group.connect()
     try:
         loop(model, group)
+        group.leave()
     except dist.DistNetworkError:
         logger.info("tensor-parallel worker rank %d: the driver is gone, exiting", rank)
 
@@ -337,5 +364,7 @@ def _join_torchrun(degree: int, job: RankJob, loop: WorkerLoop) -> tuple[TensorP
     if rank == 0:
         return group, model
     loop(model, group)
-    dist.destroy_process_group()  # this process ends here
+    group.leave()
+    if dist.is_initialized():  # a group the user initialized: this process ends here all the same
+        dist.destroy_process_group()
     raise SystemExit(0)

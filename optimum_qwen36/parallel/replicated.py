@@ -251,13 +251,14 @@ class Driver(Replicas):
             raise self._fail(f"rank 0 failed alone ({type(error).__name__}: {error})") from error
 
     def close(self) -> None:
-        """Tell the workers to stop (they exit), then wait for the spawned ones."""
+        """Tell the workers to stop, wait until each has released its groups, then release this rank's."""
         with self.lock:
             if self.group.dead is None:
                 number = next(self._calls)
                 try:
                     for rank in range(1, self.group.degree):
                         self.group.post(f"call/{number}/{rank}", CLOSE)
+                    self.group.wait_until_left()
                 except dist.DistNetworkError:
                     pass  # a worker already gone; shutdown() below stops the others
                 self.group.dead = "the model was closed"
