@@ -23,7 +23,10 @@ logger = logging.getLogger(__name__)
 KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp", "gdn_prefill.cpp")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
-FILES = (*SOURCES, *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h")))
+FILES = (
+    *SOURCES,
+    *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h", "denormals.h")),
+)
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
 # AVX-512 with BF16 dot products (bf16_linear, attention, the GDN prefill), plus VBMI's byte tables

@@ -23,6 +23,7 @@
 namespace {
 
 using optimum_qwen36::delta_rule_token;
+using optimum_qwen36::FlushDenormals;
 using optimum_qwen36::HeadScratch;
 
 // The state of each row's slot in layer `cache_idx`, checked.
@@ -56,6 +57,7 @@ at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
 
   at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush_denormals;
     HeadScratch scratch(k_dim, v_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;
@@ -100,6 +102,7 @@ at::Tensor gdn_verify_step(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t spec_stride = spec_recurrent_state.stride(2);
 
   at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush_denormals;
     HeadScratch scratch(k_dim, v_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;

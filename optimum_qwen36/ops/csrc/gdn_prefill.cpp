@@ -344,6 +344,7 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "gdn_prefill_chunk", [&] {
     const Rows<scalar_t> q_rows(q), k_rows(k), v_rows(v), o_rows(out);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      const optimum_qwen36::FlushDenormals flush_denormals;
       Scratch scratch(k_dim, v_dim);
       optimum_qwen36::HeadScratch token_scratch(k_dim, v_dim);
       std::vector<float> token_buffer(2 * (k_dim + v_dim));

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "denormals.h"
+
 namespace optimum_qwen36 {
 
 // x <- x / sqrt(sum(x^2) + eps) * factor over n values (eps as the flash-linear-attention kernels).

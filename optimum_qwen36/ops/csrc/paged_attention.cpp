@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "denormals.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -275,6 +276,7 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
   // Round-robin over threads: causal blocks grow with t0, so contiguous ranges would be unbalanced.
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(blocks.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const optimum_qwen36::FlushDenormals flush_denormals;
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t i = thread; i < blocks.size(); i += threads) {
         const Block& blk = blocks[i];
