@@ -29,7 +29,6 @@ from optimum_qwen36.engine import (
     EngineLoop,
     FinishReason,
     IncrementalDetokenizer,
-    ResumePoint,
     SamplingParams,
 )
 from optimum_qwen36.engine.sampling import SamplingRow, apply_penalties, filter_logits, request_generator
@@ -287,59 +286,6 @@ def test_a_reusable_prefix_is_checkpointed_where_the_next_turn_branches_off(cold
         done = engine.run()[request_id]
         assert done.cached_prompt_tokens == hit, (first, reusable_prefix)
         assert done.output_ids == solo(cold, follow_up, params).output_ids
-
-
-def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:
-    """generate()'s way through the engine: the caller gets the logits of its request's next token, the
-    engine computes nothing more for it until the caller appends its pick, and the others keep decoding.
-    Picking the argmax gives the engine's own greedy tokens, from the same logits."""
-    params = SamplingParams(temperature=0, max_tokens=12)
-    prompt = tokens(150, 50)
-    alone = solo(cold, prompt, params).output_ids
-    engine = cold.create_engine()
-    other = engine.add_request(tokens(30, 51), SamplingParams(temperature=0, max_tokens=40))
-    picked = engine.add_request(prompt, SamplingParams(), sampled_by_caller=True)
-    ours: list[int] = []
-    for _ in range(len(alone)):
-        logits = engine.next_token_logits([picked])
-        request = engine.request(picked)
-        computed, others = request.num_computed, len(engine.request(other).output_ids)
-        engine.step()  # the caller has not picked yet: the other request decodes, this one waits
-        assert request.num_computed == computed and len(engine.request(other).output_ids) == others + 1
-        ours.append(int(logits[0].argmax()))
-        engine.append_token(picked, ours[-1])
-    assert ours == alone
-    assert engine.request(picked).finish_reason is None, "the caller, not the engine, ends its request"
-    assert engine.abort(picked).finish_reason is FinishReason.ABORT
-    with pytest.raises(ValueError, match="sampled by the engine"):
-        engine.next_token_logits([other])
-    with pytest.raises(RuntimeError, match="no logits waiting"):
-        engine.append_token(other, 1)
-
-
-def test_a_request_resumes_the_sequence_its_slot_and_blocks_hold(cold) -> None:
-    """A continuation (generate() with past_key_values): a request resumes in the slot and blocks where an
-    earlier request of the same prompt left its state and KV, computes only the new tokens, and gets the
-    tokens of the whole sequence run from scratch."""
-    params = SamplingParams(temperature=0, max_tokens=10)
-    engine = cold.create_engine()
-    first = engine.add_request(tokens(100, 60), SamplingParams(), sampled_by_caller=True)
-    for _ in range(5):
-        engine.append_token(first, int(engine.next_token_logits([first])[0].argmax()))
-    engine.next_token_logits([first])
-    done = engine.request(first)
-    slot, blocks = engine.placement(first)
-    sequence, computed = done.token_ids, done.num_computed
-    assert computed == len(sequence) == 105
-    blocks = tuple(blocks[: -(-computed // engine.cache.block_size)])
-    engine.abort(first)  # without prefix caching the blocks go back untouched: nothing else runs
-    follow_up = sequence + tokens(20, 61)
-    with pytest.raises(ValueError, match=f"cannot resume: {len(blocks) - 1} blocks for 105 tokens"):
-        engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks[:-1], computed))
-    resumed = engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks, computed))
-    run = engine.run()[resumed]
-    assert run.cached_prompt_tokens == computed
-    assert run.output_ids == solo(cold, follow_up, params).output_ids
 
 
 def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:

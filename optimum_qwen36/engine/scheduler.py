@@ -136,8 +136,6 @@ class Scheduler:
             request = entry.request
             if request.request_id not in self._running or request.state is not RequestState.DECODING:
                 continue
-            if request.awaits_token:
-                continue  # its caller has not picked its next token yet
             drafts = self._num_drafts(request)
             if self._reserve(entry, request.num_computed + 1 + drafts, plan, decode=True):
                 plan.decodes.append(request)
@@ -180,8 +178,6 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> _Running | None:
         """Admit the request if its first chunk's blocks can be had without preempting anyone."""
-        if request.resume is not None:
-            return self._admit_resumed(request)
         block_size = self.prefix_cache.config.block_size
         first = min(request.num_tokens, budget, self.prefill_chunk_size)
         if self.prefix_cache.available_blocks() < -(-first // block_size):
@@ -201,22 +197,6 @@ class Scheduler:
         request.num_computed = seq.cached_tokens
         if request.num_preemptions == 0:  # a resumed request also finds its own outputs cached
             request.cached_prompt_tokens = seq.cached_tokens
-        self.stats["admitted"] += 1
-        return entry
-
-    def _admit_resumed(self, request: Request) -> _Running:
-        """Admit a request in the slot and blocks of the sequence it resumes (they hold its first tokens)."""
-        point = request.resume
-        assert point is not None
-        if point.slot not in self._free_slots:
-            raise RuntimeError(f"request {request.request_id!r} resumes in slot {point.slot}, now in use")
-        seq = self.prefix_cache.adopt(request.token_ids, point.block_ids, point.num_computed)
-        self._free_slots.remove(point.slot)
-        entry = _Running(request, point.slot, seq)
-        self._running[request.request_id] = entry
-        request.resume = None  # a preempted request starts over like any other
-        request.state = RequestState.PREFILLING
-        request.num_computed = request.cached_prompt_tokens = point.num_computed
         self.stats["admitted"] += 1
         return entry
 
@@ -253,7 +233,6 @@ class Scheduler:
         request.num_computed = 0
         request.num_preemptions += 1
         request.draft_ids.clear()  # drafted again once its prompt and outputs are recomputed
-        request.next_token_logits = None  # computed again with the rest
         self.waiting.appendleft(request)
         plan.decodes = [r for r in plan.decodes if r is not request]
         plan.prefills = [c for c in plan.prefills if c.request is not request]
