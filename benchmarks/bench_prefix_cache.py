@@ -75,7 +75,7 @@ class FirstTokenTimer:
         pass
 
 
-# The PrefixCache methods generate() calls (engine/prefix_run.py): their time is the cache's bookkeeping.
+# The PrefixCache methods the engine calls for generate(): their time is the cache's bookkeeping.
 BOOKKEEPING = (
     "begin", "restore", "ensure_blocks", "commit", "store_checkpoint", "decode_snapshot_due",
     "stage_checkpoint", "finish",

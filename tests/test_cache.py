@@ -41,7 +41,8 @@ def test_shapes_hold_kv_for_attention_layers_only() -> None:
 def test_reorder_copies_rows_without_sharing_blocks() -> None:
     cache = make_cache()
     for row in range(3):
-        cache.record_tokens(row, torch.arange(row + 1) + 10 * row)
+        cache.token_ids[row, : row + 1] = torch.arange(row + 1) + 10 * row
+        cache.seq_lens[row] = row + 1
         cache.recurrent_state[:, row] = row
         cache.conv_state[:, row] = row
         for block in cache.block_tables[row]:

@@ -29,6 +29,7 @@ from optimum_qwen36.engine import (
     EngineLoop,
     FinishReason,
     IncrementalDetokenizer,
+    ResumePoint,
     SamplingParams,
 )
 from optimum_qwen36.engine.sampling import SamplingRow, apply_penalties, filter_logits, request_generator
@@ -286,6 +287,105 @@ def test_a_reusable_prefix_is_checkpointed_where_the_next_turn_branches_off(cold
         done = engine.run()[request_id]
         assert done.cached_prompt_tokens == hit, (first, reusable_prefix)
         assert done.output_ids == solo(cold, follow_up, params).output_ids
+
+
+def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:
+    """generate()'s way through the engine: the caller gets the logits of its request's next token, the
+    engine computes nothing more for it until the caller appends its pick, and the others keep decoding.
+    Picking the argmax gives the engine's own greedy tokens, from the same logits."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    prompt = tokens(150, 50)
+    alone = solo(cold, prompt, params).output_ids
+    engine = cold.create_engine()
+    other = engine.add_request(tokens(30, 51), SamplingParams(temperature=0, max_tokens=40))
+    picked = engine.add_request(prompt, SamplingParams(), sampled_by_caller=True)
+    ours: list[int] = []
+    for _ in range(len(alone)):
+        logits = engine.next_token_logits([picked])
+        request = engine.request(picked)
+        computed, others = request.num_computed, len(engine.request(other).output_ids)
+        engine.step()  # the caller has not picked yet: the other request decodes, this one waits
+        assert request.num_computed == computed and len(engine.request(other).output_ids) == others + 1
+        ours.append(int(logits[0].argmax()))
+        engine.append_token(picked, ours[-1])
+    assert ours == alone
+    assert engine.request(picked).finish_reason is None, "the caller, not the engine, ends its request"
+    assert engine.abort(picked).finish_reason is FinishReason.ABORT
+    with pytest.raises(ValueError, match="sampled by the engine"):
+        engine.next_token_logits([other])
+    with pytest.raises(RuntimeError, match="no logits waiting"):
+        engine.append_token(other, 1)
+
+
+def test_a_request_resumes_the_sequence_its_slot_and_blocks_hold(cold) -> None:
+    """A continuation (generate() with past_key_values): a request resumes in the slot and blocks where an
+    earlier request of the same prompt left its state and KV, computes only the new tokens, and gets the
+    tokens of the whole sequence run from scratch."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    engine = cold.create_engine()
+    first = engine.add_request(tokens(100, 60), SamplingParams(), sampled_by_caller=True)
+    for _ in range(5):
+        engine.append_token(first, int(engine.next_token_logits([first])[0].argmax()))
+    engine.next_token_logits([first])
+    done = engine.request(first)
+    slot, blocks = engine.placement(first)
+    sequence, computed = done.token_ids, done.num_computed
+    assert computed == len(sequence) == 105
+    blocks = tuple(blocks[: -(-computed // engine.cache.block_size)])
+    engine.abort(first)  # without prefix caching the blocks go back untouched: nothing else runs
+    follow_up = sequence + tokens(20, 61)
+    with pytest.raises(ValueError, match=f"cannot resume: {len(blocks) - 1} blocks for 105 tokens"):
+        engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks[:-1], computed))
+    resumed = engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks, computed))
+    run = engine.run()[resumed]
+    assert run.cached_prompt_tokens == computed
+    assert run.output_ids == solo(cold, follow_up, params).output_ids
+
+
+def test_a_resume_is_refused_where_its_slot_or_blocks_are_taken(cold, cached) -> None:
+    """A resumed request takes its slot and blocks when it is queued: one that names a running request's
+    slot or blocks, or an engine whose blocks belong to a prefix cache, is refused and nothing is taken;
+    aborting it before it ran gives them back."""
+    engine = cold.create_engine()
+    running = engine.add_request(tokens(100, 80), SamplingParams(temperature=0, max_tokens=4))
+    engine.step()
+    slot, blocks = engine.placement(running)
+    other_slot = (slot + 1) % SETTINGS["batch_size"]
+    pool = engine.prefix_cache.pool
+    free = pool.num_free
+    prompt, params = tokens(130, 81), SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match=f"slot {slot} is in use by another request"):
+        engine.add_request(prompt, params, resume=ResumePoint(slot, (), 0))
+    with pytest.raises(ValueError, match=rf"blocks \[{blocks[0]}\] are not free"):
+        engine.add_request(prompt, params, resume=ResumePoint(other_slot, (blocks[0],), 10))
+    assert pool.num_free == free and engine.stats()["running"] == 1 and not engine.scheduler.waiting
+    spare = next(b for b in range(1, pool.num_blocks) if pool.is_free(b))
+    resumed = engine.add_request(prompt, params, resume=ResumePoint(other_slot, (spare,), 10))
+    assert pool.num_free == free - 1 and not engine.scheduler.can_resume_in(other_slot)
+    with pytest.raises(ValueError, match=f"slot {other_slot} is in use"):
+        engine.add_request(prompt, params, resume=ResumePoint(other_slot, (), 0))
+    engine.abort(resumed)
+    assert pool.num_free == free and engine.scheduler.can_resume_in(other_slot)
+    with pytest.raises(ValueError, match="prefix caching on"):
+        cached.create_engine().add_request(prompt, params, resume=ResumePoint(0, (), 0))
+
+
+def test_a_request_whose_caller_holds_its_logits_is_not_preempted(cold) -> None:
+    """Out of KV blocks, a decode preempts later requests, but not one whose caller holds the logits of its
+    next token (they would be lost): the decoding request yields instead."""
+    engine = cold.create_engine(num_kv_blocks=3)  # two usable blocks of 64 positions
+    hog = engine.add_request(tokens(40, 82), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    picked = engine.add_request(tokens(30, 83), SamplingParams(max_tokens=5), sampled_by_caller=True)
+    logits = engine.next_token_logits([picked])
+    hogging = engine.request(hog)
+    while hogging.num_computed < 64:
+        engine.step()  # the hog decodes until it needs a second block, which the pool does not have
+    engine.step()
+    request = engine.request(picked)
+    assert request.awaits_token and torch.equal(request.next_token_logits, logits[0])
+    assert hogging.num_preemptions > 0
+    engine.append_token(picked, int(logits[0].argmax()))
+    assert engine.next_token_logits([picked]).shape == logits.shape
 
 
 def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:

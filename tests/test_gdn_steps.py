@@ -83,22 +83,32 @@ def test_native_and_torch_steps_agree_over_many_steps() -> None:
 
 @pytest.mark.skipif("native" not in STEPS, reason="the native CPU kernels cannot be built here")
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the flush is x86's MXCSR mode")
-def test_native_ops_flush_denormals_in_their_workers_only() -> None:
-    """A state of denormal values (1e-39, below float32's 1.2e-38) reads as zero inside the native ops, as
-    the denormals a strong decay produces: computed with them, the Intel cores' microcode assists ran a
-    prefill 2-3x slower. Without the flush, q S would be about 1e-38 here, not 0. The caller's thread keeps
-    its own mode: denormal arithmetic still works after the call."""
-    batch, heads, dim = 2, 2, 32
-    q = torch.ones(batch, heads, dim)
-    k = torch.ones(batch, heads, dim)
-    v = torch.zeros(batch, heads, dim)
-    g = torch.zeros(batch, heads)  # no decay
-    beta = torch.zeros(batch, heads)  # no write: the state is only read
-    states = torch.full((1, batch, heads, dim, dim), 1e-39)
-    o = gdn_decode_step_native(q, k, v, g, beta, states.clone(), 0, torch.arange(batch), 1.0)
-    assert torch.equal(o, torch.zeros_like(o))
-    expected = gdn_decode_step_torch(q, k, v, g, beta, states.clone(), 0, torch.arange(batch), 1.0)
-    assert (expected > 0).all()  # the PyTorch form, which does not flush, gets the tiny values
+@pytest.mark.parametrize("step", ["decode", "verify", "prefill"])
+def test_native_ops_flush_denormals_in_their_workers_only(step: str) -> None:
+    """A state of denormal values (1e-39, below float32's 1.2e-38) reads as zero inside each native GDN op,
+    as the denormals a strong decay produces: computed with them, the Intel cores' microcode assists ran a
+    prefill 2-3x slower. Without the flush, q S would be about 6e-39 here, not 0 (the PyTorch form, which
+    does not flush, gets it). The caller's thread keeps its own mode: denormal arithmetic still works after
+    the call."""
+    heads, dim = 2, 32
+    rows, tokens = {"decode": (2, 1), "verify": (2, 3), "prefill": (1, 64)}[step]
+    shape = (rows, tokens, heads)
+    q, k, v = torch.ones(*shape, dim), torch.ones(*shape, dim), torch.zeros(*shape, dim)
+    g, beta = torch.zeros(shape), torch.zeros(shape)  # no decay, no write: the state is only read
+    states = torch.full((1, rows, heads, dim, dim), 1e-39)
+    spec = torch.zeros(1, rows, tokens, heads, dim, dim)
+    slots = torch.arange(rows)
+
+    def run(form: str) -> torch.Tensor:
+        if step == "decode":
+            return STEPS[form](q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], states.clone(), 0, slots, 1.0)
+        if step == "verify":
+            return VERIFIES[form](q, k, v, g, beta, states.clone(), spec.clone(), 0, slots, 1.0)
+        return CHUNKS[form](q, k, v, g, beta, states.clone(), 0, slots, None, 1.0)
+
+    flushed, unflushed = run("native"), run("torch")
+    assert flushed.shape == unflushed.shape and not flushed.any()
+    assert (unflushed > 0).all()
     tiny = torch.tensor([1e-39])
     assert (tiny * 2).item() > 0 and (tiny + tiny).item() == pytest.approx(2e-39, rel=1e-3)
 

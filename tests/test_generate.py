@@ -114,6 +114,60 @@ def test_continuing_from_returned_cache_equals_one_shot(checkpoint) -> None:
     assert torch.equal(second, one_shot)
 
 
+def test_continuing_rows_that_cross_a_kv_block_boundary_equals_one_shot(checkpoint) -> None:
+    """Row 0 filled its first KV block, so its next token needs a new one at once, while the other rows'
+    blocks are still theirs (each continuation takes its row's blocks before any row computes); row 1
+    crosses a boundary later."""
+    path, _ = checkpoint
+    model = export_eager(path)
+    input_ids, mask = left_padded_prompts([61, 30, 45], seed=5)
+    one_shot = model.generate(input_ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    first = model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+    )
+    assert first.past_key_values.seq_lens[:3].tolist() == [64, 33, 48]
+    extended_mask = torch.cat([mask, torch.ones((3, 4), dtype=torch.long)], dim=1)
+    second = model.generate(
+        first.sequences, attention_mask=extended_mask, past_key_values=first.past_key_values,
+        max_new_tokens=36, do_sample=False,
+    )  # fmt: skip
+    assert torch.equal(second, one_shot)
+
+
+def test_a_continuation_that_raises_starts_its_rows_over_on_retry(checkpoint) -> None:
+    """A continuation interrupted after a few steps has moved the rows' states past what the cache records:
+    the rows are emptied, so retrying with the same cache recomputes them and gives the one-shot tokens."""
+    path, _ = checkpoint
+    model = export_eager(path)
+    input_ids, mask = left_padded_prompts([20, 9], seed=6)
+    one_shot = model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    first = model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True
+    )
+    cache = first.past_key_values
+    extended_mask = torch.cat([mask, torch.ones((2, 5), dtype=torch.long)], dim=1)
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > first.sequences.shape[1] + 2:
+            raise Interrupt
+        return scores
+
+    with pytest.raises(Interrupt):
+        model.generate(
+            first.sequences, attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15,
+            do_sample=False, logits_processor=[interrupt],
+        )  # fmt: skip
+    assert cache.seq_lens.tolist() == [0] * cache.batch_size
+    retry = model.generate(
+        first.sequences, attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15,
+        do_sample=False,
+    )  # fmt: skip
+    assert torch.equal(retry, one_shot)
+
+
 def test_a_kept_cache_serves_the_next_call_like_a_new_one(checkpoint) -> None:
     """A call that does not return its cache keeps it for the next call (emptied: the next rows start from
     zero GDN states); a cache handed to the caller is never reused behind the caller's back."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import save_tiny_checkpoint
 from helpers import export_eager, left_padded_prompts
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 
@@ -109,6 +110,33 @@ def test_multi_turn_reuses_the_answer(checkpoint: Path, cold: NeuronQwen36ForCau
     assert first.cached_tokens.tolist() == [0]
     # Fed: 100 prompt tokens + 39 generated; the state at 128 was staged while decoding.
     turn2 = torch.cat([first.sequences[0], tokens(20, 8)])
+    # The returned cache records the row's tokens; its blocks belong to the prefix cache, not to the row.
+    assert first.past_key_values.seq_lens[0] == 139
+    assert not first.past_key_values.block_tables.any()
+    assert check(model, cold, [turn2]) == [128]
+
+
+def test_a_row_that_ends_early_caches_its_answer_not_its_padding(
+    checkpoint: Path, cold: NeuronQwen36ForCausalLM
+) -> None:
+    """Row 0 ends after 35 tokens while row 1 goes on to 100: row 0 keeps decoding padding (its logits are
+    returned), which the prefix cache must not keep, so that its next turn hits the state staged at 128 in
+    its answer, not one staged later in the padding."""
+    model = warm_model(checkpoint)
+    ids = torch.stack([tokens(100, 7), tokens(100, 30)])
+
+    class EndRowZero(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            ended = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            ended[0] = input_ids.shape[1] >= 100 + 35
+            return ended
+
+    first = model.generate(
+        ids, max_new_tokens=100, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+        stopping_criteria=StoppingCriteriaList([EndRowZero()]),
+    )  # fmt: skip
+    assert first.sequences.shape[1] == 200
+    turn2 = torch.cat([first.sequences[0, : 100 + 35], tokens(20, 8)])
     assert check(model, cold, [turn2]) == [128]
 
 

@@ -22,7 +22,6 @@ from optimum_qwen36.prefix_caching import (
     block_key,
     chain_keys,
     layer_checksums,
-    plan_prefill_chunks,
     root_key,
 )
 
@@ -60,8 +59,13 @@ def run(
     else:
         assert seq.checkpoint is None
     cache.ensure_blocks(seq, n)
-    for start, m in plan_prefill_chunks(hit, n, chunk, seq.snapshot_positions):
-        end = start + m
+    # Chunk ends: every snapshot position, and at most `chunk` tokens apart (as the engine's scheduler).
+    ends, position = [], hit
+    for stop in [*sorted(p for p in seq.snapshot_positions if hit < p < n), n]:
+        while position < stop:
+            position = min(position + chunk, stop)
+            ends.append(position)
+    for end in ends:
         cache.commit(seq, end)
         if end in seq.snapshot_positions:
             cache.store_checkpoint(seq, end, *fake_state(tokens[:end]))
@@ -144,14 +148,6 @@ def test_block_pool_refcounts_and_errors():
         pool.incref(0)
     with pytest.raises(ValueError, match="null block"):
         BlockPool(1)
-
-
-def test_plan_prefill_chunks_ends_at_every_stop():
-    assert plan_prefill_chunks(0, 300, 128) == [(0, 128), (128, 128), (256, 44)]
-    assert plan_prefill_chunks(64, 300, 128, [64, 192, 256, 300, 999]) == [(64, 128), (192, 64), (256, 44)]
-    assert plan_prefill_chunks(0, 200, 128, [64]) == [(0, 64), (64, 128), (192, 8)]
-    with pytest.raises(ValueError):
-        plan_prefill_chunks(10, 10, 128)
 
 
 def test_config_validation():

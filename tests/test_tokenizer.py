@@ -153,6 +153,15 @@ def test_chat_template_strips_earlier_reasoning(tokenizer: PreTrainedTokenizerBa
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
         "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n"
     )
+    # Qwen3.6's preserve_thinking keeps every turn's reasoning (and the tokens it was generated as).
+    kept = tokenizer.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True, preserve_thinking=True
+    )
+    assert kept == (
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nadd them\n</think>\n\n4<|im_end|>\n"
+        "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
 
 
 def test_chat_template_tool_call(tokenizer: PreTrainedTokenizerBase) -> None:

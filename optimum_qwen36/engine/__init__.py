@@ -4,7 +4,7 @@ with prefix caching, per-request sampling, and the only caller of a model's step
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
 from .loop import AsyncEngine, EngineDeadError, EngineLoop, RequestStream
-from .request import FinishReason, Request, RequestOutput, RequestState
+from .request import FinishReason, Request, RequestOutput, RequestState, ResumePoint
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 
@@ -19,6 +19,7 @@ __all__ = [
     "RequestOutput",
     "RequestState",
     "RequestStream",
+    "ResumePoint",
     "SamplingParams",
     "Scheduler",
     "StepPlan",

@@ -25,6 +25,7 @@ registered as they are computed and released at finish.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from ..exporters.base import StepBackend
 from ..modeling.cache import Qwen36HybridCache
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
-from .request import FinishReason, Request, RequestOutput, RequestState
+from .request import FinishReason, Request, RequestOutput, RequestState, ResumePoint
 from .runner import ModelRunner, PackedChunk
 from .sampling import SamplingParams, SamplingRow, TokenConstraint, VerifiedToken, sample, verify_drafts
 from .scheduler import PrefillChunk, Scheduler, StepPlan
@@ -64,6 +65,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         vocab_size: int,
         tokenizer: Any = None,
+        speculative: bool = True,
     ) -> None:
         self.runner = ModelRunner(backend, cache, prefill_chunk_size)
         self.cache = cache
@@ -73,7 +75,8 @@ class Engine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        self.num_speculative_tokens = cache.num_speculative_tokens
+        # `speculative=False`: one token per step even where the model has an MTP layer (generate()).
+        self.num_speculative_tokens = cache.num_speculative_tokens if speculative else 0
         decode_tokens = self.max_num_seqs * (1 + self.num_speculative_tokens)
         # Every running request decodes (and verifies its drafts) each step; one prefill chunk fills the rest
         # by default.
@@ -94,6 +97,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._planned_tokens = 0  # by the last step
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -103,12 +107,18 @@ class Engine:
         request_id: str | None = None,
         constraint: TokenConstraint | None = None,
         reusable_prefix: int | None = None,
+        sampled_by_caller: bool = False,
+        resume: ResumePoint | None = None,
     ) -> str:
         """Queue a prompt (token ids); returns its request id. `constraint` restricts which tokens it may
         produce (structured output). `reusable_prefix`: how many leading prompt tokens later requests are
         expected to share (a chat's history without its generation prompt, which the next turn renders
-        differently), so that the prefix cache keeps a GDN state checkpoint there. Bad input raises
-        ValueError, and nothing is queued."""
+        differently), so that the prefix cache keeps a GDN state checkpoint there.
+
+        `sampled_by_caller`: the caller picks every token (`next_token_logits`, then `append_token`), and
+        ends the request (`abort`); `params` then only sets its seed. `resume`: the prompt's first tokens
+        are already computed in a slot and blocks of this engine's cache (a continuation of an earlier run).
+        Bad input raises ValueError, and nothing is queued."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -135,6 +145,13 @@ class Engine:
             raise ValueError(
                 "stop strings need a tokenizer: create the engine with one, or use stop_token_ids."
             )
+        if sampled_by_caller and self.drafter is not None:
+            raise ValueError(
+                "a caller-sampled request decodes one token per step: create the engine with "
+                "speculative=False."
+            )
+        if resume is not None:
+            self._check_resume(resume, len(ids))
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
@@ -145,12 +162,35 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             constraint=constraint,
             reusable_prefix=reusable_prefix,
+            resume=resume,
+            sampled_by_caller=sampled_by_caller,
         )
         self.scheduler.add(request)
         self._requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request_id
+
+    def _check_resume(self, resume: ResumePoint, num_tokens: int) -> None:
+        block_size = self.cache.block_size
+        problems = []
+        if self.prefix_cache.caching:
+            problems.append("the engine has prefix caching on, and its blocks belong to the prefix cache")
+        if not 0 <= resume.slot < self.max_num_seqs:
+            problems.append(f"slot {resume.slot} is not one of the cache's {self.max_num_seqs}")
+        elif not self.scheduler.can_resume_in(resume.slot):
+            problems.append(f"slot {resume.slot} is in use by another request")
+        if not 0 <= resume.num_computed < num_tokens:
+            problems.append(f"{resume.num_computed} computed tokens of a {num_tokens}-token prompt")
+        if len(resume.block_ids) != -(-resume.num_computed // block_size):
+            problems.append(f"{len(resume.block_ids)} blocks for {resume.num_computed} tokens")
+        if len(set(resume.block_ids)) != len(resume.block_ids):
+            problems.append(f"a block is listed twice in {list(resume.block_ids)}")
+        held = [b for b in resume.block_ids if not self.prefix_cache.pool.is_free(b)]
+        if held:
+            problems.append(f"blocks {held} are not free (another request holds them, or they do not exist)")
+        if problems:
+            raise ValueError("cannot resume: " + "; ".join(problems) + ".")
 
     def abort(self, request_id: str, after_error: bool = False) -> RequestOutput | None:
         """Stop a request now: its slot and blocks are freed. Returns its final output (None if unknown).
@@ -183,6 +223,42 @@ class Engine:
             **({"speculative": self.speculative_stats()} if self.drafter else {}),
         }
 
+    # ------------------------------------------------------------------ caller-sampled requests
+    def next_token_logits(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """Step until each of these caller-sampled requests has the logits of its next token (prefilling
+        its prompt, or feeding the token appended last); returns them, [len(request_ids), vocab]."""
+        requests = [self._requests[request_id] for request_id in request_ids]
+        for request in requests:
+            if not request.sampled_by_caller:
+                raise ValueError(f"request {request.request_id!r} is sampled by the engine, not its caller")
+            if request.num_tokens >= self.cache.sequence_length and not request.awaits_token:
+                raise ValueError(
+                    f"request {request.request_id!r} holds {request.num_tokens} tokens: the compiled "
+                    f"sequence_length={self.cache.sequence_length} leaves no room for another."
+                )
+        while not all(request.awaits_token for request in requests):
+            self.step()
+            if not self._planned_tokens:
+                raise RuntimeError("the scheduler planned nothing while requests wait for their logits")
+        return torch.stack([request.next_token_logits for request in requests])
+
+    def append_token(self, request_id: str, token: int, padding: bool = False) -> None:
+        """The caller's pick for a request's next token (after `next_token_logits`). `padding`: the caller
+        has ended the request but keeps it in step (generate()'s finished rows): from this token on, nothing
+        it computes is kept by the prefix cache."""
+        request = self._requests[request_id]
+        if not request.awaits_token:
+            raise RuntimeError(f"request {request.request_id!r} has no logits waiting for a token")
+        if padding and request.padding_from is None:
+            request.padding_from = request.num_tokens
+        request.next_token_logits = None
+        self._append(request, [VerifiedToken(int(token), math.nan, None)])
+
+    def placement(self, request_id: str) -> tuple[int, list[int]]:
+        """A running request's GDN slot and KV block table."""
+        request = self._requests[request_id]
+        return self.scheduler.slot_of(request), list(self.scheduler.block_table(request))
+
     def speculative_stats(self) -> dict[str, Any]:
         """MTP acceptance: drafts verified and accepted at each draft position, and their ratio."""
         return {
@@ -198,6 +274,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one plan; returns an output for every request that produced tokens or finished."""
         plan = self.scheduler.schedule()
+        self._planned_tokens = plan.num_tokens
         for request in plan.admitted:
             self._start(request)
         kept: list[tuple[Request, list[VerifiedToken]]] = []
@@ -226,7 +303,15 @@ class Engine:
                     logits.append(pack_logits[i : i + 1])
                     rows.append(chunk.request)
         if rows:
-            sampled = sample(torch.cat(logits), [self._sampling_row(r) for r in rows])
+            every_logits = torch.cat(logits)
+            for i, request in enumerate(rows):
+                if request.sampled_by_caller:
+                    request.next_token_logits = every_logits[i]
+                    request.state = RequestState.DECODING
+            engine_rows = [i for i, request in enumerate(rows) if not request.sampled_by_caller]
+            rows = [rows[i] for i in engine_rows]
+        if rows:
+            sampled = sample(every_logits[engine_rows], [self._sampling_row(r) for r in rows])
             for i, request in enumerate(rows):
                 token = VerifiedToken(
                     int(sampled.tokens[i]), float(sampled.logprobs[i]), sampled.top_logprobs[i]
@@ -264,8 +349,9 @@ class Engine:
         seq = self.scheduler.sequence_of(request)
         if seq.checkpoint is not None:
             self.prefix_cache.restore(seq, *self.runner.slot_state(slot))
-        else:
+        elif seq.cached_tokens == 0:
             self.runner.reset_slot(slot)
+        # else it resumes a sequence whose state its slot already holds
 
     def _table(self, request: Request) -> torch.Tensor:
         blocks = self.scheduler.block_table(request)
@@ -436,6 +522,8 @@ class Engine:
         seq = self.scheduler.sequence_of(request)
         positions = range(before + 1, num_computed + 1) if state_after else [num_computed]
         for position in positions:
+            if position > request.cacheable_computed:
+                break  # padding
             store = position in seq.snapshot_positions
             if not store and not self.prefix_cache.decode_snapshot_due(seq, position):
                 continue
@@ -501,6 +589,8 @@ class Engine:
         self, request: Request, token: int, detokenizer: IncrementalDetokenizer | None
     ) -> FinishReason | None:
         params = request.params
+        if request.sampled_by_caller:
+            return None  # its caller ends it
         if len(request.output_ids) >= params.min_tokens and token in request.stop_ids:
             return FinishReason.STOP
         if detokenizer is not None and detokenizer.stopped_on is not None:

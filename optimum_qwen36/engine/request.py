@@ -25,6 +25,16 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a request resumes a sequence computed by an earlier run over the same cache: the GDN slot that
+    holds its state, and the blocks that hold the KV of its first `num_computed` tokens."""
+
+    slot: int
+    block_ids: tuple[int, ...]
+    num_computed: int
+
+
 @dataclass
 class Request:
     """One prompt being generated for. `output_ids` are the sampled tokens; `num_computed` counts the
@@ -53,6 +63,15 @@ class Request:
     # and until computed).
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Resumes an earlier run's sequence in its slot and blocks instead of starting from a prefix lookup.
+    resume: ResumePoint | None = None
+    # The caller picks each next token (generate() with its logits processors): the engine computes the
+    # logits, keeps them in next_token_logits, and waits for `Engine.append_token` before decoding again.
+    sampled_by_caller: bool = False
+    next_token_logits: torch.Tensor | None = field(default=None, repr=False)
+    # A caller-sampled request whose caller ended it keeps stepping on padding tokens from this position on
+    # (generate()'s finished rows, whose logits are still returned): the prefix cache keeps none of them.
+    padding_from: int | None = None
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +87,18 @@ class Request:
         """Whether some prompt token's log-probability is still to compute (so no cached prefix may stand
         in for its computation)."""
         return len(self.prompt_ids) > 1 and self.prompt_logprobs[-1:] == [None]
+
+    @property
+    def awaits_token(self) -> bool:
+        """Whether the caller has the logits of the next token and the engine waits for its choice."""
+        return self.next_token_logits is not None
+
+    @property
+    def cacheable_computed(self) -> int:
+        """Computed tokens the prefix cache may keep: all of them, short of padding."""
+        if self.padding_from is None:
+            return self.num_computed
+        return min(self.num_computed, self.padding_from)
 
     @property
     def token_ids(self) -> list[int]:

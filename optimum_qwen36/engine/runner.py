@@ -1,5 +1,5 @@
-"""The model runner: runs one step on a backend over one cache. Every caller of a backend goes through it
-(the engine's steps, and `generate()`'s rows), so the step arguments are built in one place.
+"""The model runner: runs one step on a backend over one cache, for the engine's steps (generate() included:
+it is a client of the engine), so the step arguments are built in one place.
 
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
 - `prefill_packed`: chunks of several sequences in one call (backends that `packs_prefill`), at most one

@@ -11,6 +11,10 @@
 - When a decode step needs a block and none can be had, the most recently admitted request is preempted:
   its slot and blocks are released (its computed blocks stay in the prefix cache), and it goes back to the
   front of the queue; on resume it restores its longest prefix-cache checkpoint and recomputes the rest.
+- A request that resumes a sequence computed earlier over the same cache (generate()'s continuation, in
+  an engine without prefix caching) takes that sequence's slot and blocks when it is added, so no other
+  request's chunk can take one of them first.
+- A request whose caller holds the logits of its next token (generate()'s rows) is never preempted.
 - Prefill chunks end at the prefix cache's checkpoint positions, where the engine stores the GDN state. A
   chunk cut short by the budget ends on a multiple of the GDN kernel chunk (64 tokens), where chunked
   prefill resumes exactly, or waits for the next step.
@@ -92,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._resumed: list[_Running] = []  # admitted at `add`, started by the next plan
         self.stats = {"preemptions": 0, "admitted": 0, "finished": 0, "aborted": 0}
 
     # ------------------------------------------------------------------ queue
@@ -111,7 +116,14 @@ class Scheduler:
                 f"max_tokens), {-(-longest // block_size)} KV blocks of {block_size}, but the engine's pool "
                 f"has {usable}: lower max_tokens, or create the engine with more num_kv_blocks."
             )
-        self.waiting.append(request)
+        if request.resume is None:
+            self.waiting.append(request)
+        else:
+            # Its slot and blocks are taken now, before any other request's chunk can take one of them.
+            self._resumed.append(self._admit_resumed(request))
+
+    def can_resume_in(self, slot: int) -> bool:
+        return slot in self._free_slots
 
     @property
     def running(self) -> list[Request]:
@@ -132,10 +144,15 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        # Requests resumed since the last plan start now (unless aborted since).
+        plan.admitted = [e.request for e in self._resumed if self._running.get(e.request.request_id) is e]
+        self._resumed.clear()
         for entry in list(self._running.values()):
             request = entry.request
             if request.request_id not in self._running or request.state is not RequestState.DECODING:
                 continue
+            if request.awaits_token:
+                continue  # its caller has not picked its next token yet
             drafts = self._num_drafts(request)
             if self._reserve(entry, request.num_computed + 1 + drafts, plan, decode=True):
                 plan.decodes.append(request)
@@ -200,6 +217,20 @@ class Scheduler:
         self.stats["admitted"] += 1
         return entry
 
+    def _admit_resumed(self, request: Request) -> _Running:
+        """Admit a request in the slot and blocks of the sequence it resumes (they hold its first tokens)."""
+        point = request.resume
+        assert point is not None
+        seq = self.prefix_cache.adopt(request.token_ids, point.block_ids, point.num_computed)
+        self._free_slots.remove(point.slot)
+        entry = _Running(request, point.slot, seq)
+        self._running[request.request_id] = entry
+        request.resume = None  # a preempted request starts over like any other
+        request.state = RequestState.PREFILLING
+        request.num_computed = request.cached_prompt_tokens = point.num_computed
+        self.stats["admitted"] += 1
+        return entry
+
     def _reserve(self, entry: _Running, num_tokens: int, plan: StepPlan, decode: bool) -> bool:
         """Blocks for `num_tokens` positions of the entry's request, preempting the most recently admitted
         requests when the pool is out (first come, first served: the earliest request always progresses).
@@ -212,7 +243,8 @@ class Scheduler:
             except KVBlocksExhausted:
                 pass
             order = list(self._running.values())
-            later = order[order.index(entry) + 1 :]
+            # A request whose caller holds its next token's logits is not preempted: they would be lost.
+            later = [e for e in order[order.index(entry) + 1 :] if not e.request.awaits_token]
             victim = later[-1] if later else entry if decode else None
             if victim is None and len(order) > 1:
                 return False  # an earlier request holds the blocks: this chunk waits for it
@@ -233,6 +265,7 @@ class Scheduler:
         request.num_computed = 0
         request.num_preemptions += 1
         request.draft_ids.clear()  # drafted again once its prompt and outputs are recomputed
+        request.next_token_logits = None  # computed again with the rest
         self.waiting.appendleft(request)
         plan.decodes = [r for r in plan.decodes if r is not request]
         plan.prefills = [c for c in plan.prefills if c.request is not request]
@@ -245,7 +278,7 @@ class Scheduler:
     def computed(self, request: Request, num_computed: int) -> None:
         """The engine ran a step for `request`: its first `num_computed` tokens are in the cache."""
         request.num_computed = num_computed
-        self.prefix_cache.commit(self._running[request.request_id].seq, num_computed)
+        self.prefix_cache.commit(self._running[request.request_id].seq, request.cacheable_computed)
 
     def finish(self, request: Request, reason: FinishReason, cache: bool = True) -> None:
         """End a request and release its slot and blocks; its computed tokens are cached unless `cache`
@@ -273,6 +306,6 @@ class Scheduler:
 
     def _release(self, entry: _Running, cache: bool) -> None:
         request = entry.request
-        self.prefix_cache.finish(entry.seq, request.num_computed if cache else None)
+        self.prefix_cache.finish(entry.seq, request.cacheable_computed if cache else None)
         del self._running[request.request_id]
         self._free_slots.append(entry.slot)

@@ -109,12 +109,6 @@ class Qwen36HybridCache(Cache):
     def cached_tokens(self, row: int) -> torch.Tensor:
         return self.token_ids[row, : int(self.seq_lens[row])]
 
-    def record_tokens(self, row: int, tokens: torch.Tensor) -> None:
-        """Note that the cache now also holds the effect of `tokens` on row `row`."""
-        start = int(self.seq_lens[row])
-        self.token_ids[row, start : start + tokens.numel()] = tokens.to(self.token_ids.device)
-        self.seq_lens[row] = start + tokens.numel()
-
     # -- transformers' Cache interface
     def __len__(self) -> int:
         return len(self.layer_types)

@@ -22,9 +22,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine import Engine
-from ..engine.prefix_run import PrefixCachedRun
-from ..engine.runner import ModelRunner
+from ..engine import Engine, ResumePoint, SamplingParams
 from ..exporters import artifact
 from ..exporters.aoti import graph_runner_releases_gil
 from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
@@ -534,18 +532,23 @@ class NeuronModelForCausalLM:
         if prefix_caching is not None:
             settings = dataclasses.replace(settings, prefix_caching=prefix_caching)
         cache = self.cache_for(self.model.config, settings, self.backend.device, num_blocks=num_kv_blocks)
-        if not settings.prefix_caching:  # the pool still hands out blocks; it caches none
-            settings = dataclasses.replace(settings, prefix_cache_bytes=0)
         return Engine(
             self.backend,
             cache,
-            build_prefix_cache(cache, settings, self.config),
+            self._block_pool_of(cache, settings),
             prefill_chunk_size=self.neuron_config.prefill_chunk_size,
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=self._engine_eos_ids(tokenizer),
             vocab_size=self.config.vocab_size,
             tokenizer=tokenizer,
         )
+
+    def _block_pool_of(self, cache: Qwen36HybridCache, settings: Qwen36NeuronConfig) -> PrefixCache:
+        """The prefix cache over `cache`'s blocks; without prefix caching, one that hands out blocks and
+        caches none."""
+        if not settings.prefix_caching:
+            settings = dataclasses.replace(settings, prefix_cache_bytes=0)
+        return build_prefix_cache(cache, settings, self.config)
 
     def _engine_eos_ids(self, tokenizer: Any) -> list[int]:
         """generation_config's EOS ids and the tokenizer's EOS (vLLM stops on both), when the model can
@@ -644,13 +647,14 @@ class NeuronModelForCausalLM:
         if streamer is not None:
             streamer.put(input_ids)
 
-        runner = ModelRunner(self.backend, cache, self.neuron_config.prefill_chunk_size)
-        run = PrefixCachedRun(self.prefix_cache, runner) if self.prefix_cache is not None else None
+        engine = self._generation_engine(cache)
+        request_ids: list[str] = []
         sequences = input_ids
         raw_logits: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
         try:
-            logits = run.prefill(rows) if run else self._prefill(rows, runner)
+            self._submit_rows(engine, rows, cache, request_ids)
+            logits = engine.next_token_logits(request_ids)
             unfinished = torch.ones(len(rows), dtype=torch.bool)
             for step in range(max_new_tokens):
                 processed = processors(sequences, logits)
@@ -667,17 +671,23 @@ class NeuronModelForCausalLM:
                 unfinished &= ~criteria(sequences, processed)
                 if not unfinished.any() or step == max_new_tokens - 1:
                     break
-                if run:
-                    run.before_decode(next_tokens, unfinished)
-                logits = self._decode(next_tokens, runner)
-                if run:
-                    run.after_decode()
+                # Ended rows go on with pad_token_id (or their own picks), as in transformers: their logits
+                # are still returned. The prefix cache keeps none of what follows their end.
+                for row, request_id in enumerate(request_ids):
+                    engine.append_token(request_id, int(next_tokens[row]), padding=not unfinished[row])
+                logits = engine.next_token_logits(request_ids)
+            self._record_rows(engine, request_ids, cache)
+            cached_tokens = [engine.request(request_id).cached_prompt_tokens for request_id in request_ids]
         except BaseException:
-            if run:
-                # The rows' blocks go back to the pool; nothing half-computed is cached.
-                run.finish(completed=False)
+            for request_id in request_ids:
+                engine.abort(request_id, after_error=True)  # nothing half-computed is cached
+            # The rows' states and KV may have moved past what seq_lens says: a next call starts them over.
+            cache.seq_lens[: len(rows)] = 0
+            if self.prefix_cache is not None:
+                cache.block_tables.zero_()
             raise
-        cached_tokens = run.finish() if run else None
+        for request_id in request_ids:
+            engine.abort(request_id)  # its blocks go back to the pool (with prefix caching: to the cache)
         if streamer is not None:
             streamer.end()
         if keep_cache:
@@ -690,7 +700,7 @@ class NeuronModelForCausalLM:
             logits=tuple(raw_logits) if config.output_logits else None,
             **{OUTPUT_CACHE_FIELD: cache},
         )
-        if cached_tokens is not None:
+        if self.prefix_cache is not None:
             output["cached_tokens"] = torch.tensor(cached_tokens)  # per row: prompt tokens reused
         return output
 
@@ -785,32 +795,66 @@ class NeuronModelForCausalLM:
                 )
         return cache
 
-    @staticmethod
-    def _prefill(rows: list[torch.Tensor], runner: ModelRunner) -> torch.Tensor:
-        """Run each row's uncached tokens in chunks (row b in GDN slot b); returns the logits after each
-        row's last token."""
-        cache, chunk = runner.cache, runner.prefill_chunk_size
-        last_logits = []
-        for row, tokens in enumerate(rows):
-            start = int(cache.seq_lens[row])
-            if start == 0:
-                runner.reset_slot(row)
-            for begin in range(start, len(tokens), chunk):
-                piece = tokens[begin : begin + chunk]
-                logits = runner.prefill(piece, begin, row, cache.block_tables[row])
-                cache.record_tokens(row, piece)
-            last_logits.append(logits)
-        return torch.cat(last_logits, dim=0)
+    def _generation_engine(self, cache: Qwen36HybridCache) -> Engine:
+        """An engine for one generate() call over `cache` (the model's prefix-cached one, or the call's).
+        generate() picks every token itself, one per step."""
+        pool = self.prefix_cache
+        if pool is None:
+            pool = self._block_pool_of(cache, self.neuron_config)
+        return Engine(
+            self.backend,
+            cache,
+            pool,
+            prefill_chunk_size=self.neuron_config.prefill_chunk_size,
+            vocab_size=self.config.vocab_size,
+            speculative=False,
+        )
 
-    @staticmethod
-    def _decode(tokens: torch.Tensor, runner: ModelRunner) -> torch.Tensor:
-        """Feed one token per row; row b is in GDN slot b."""
-        cache, batch = runner.cache, tokens.shape[0]
-        tables = cache.block_tables[:batch]
-        logits = runner.decode(tokens, cache.seq_lens[:batch], torch.arange(batch), tables)
-        for row in range(batch):
-            cache.record_tokens(row, tokens[row : row + 1])
-        return logits
+    def _submit_rows(
+        self, engine: Engine, rows: list[torch.Tensor], cache: Qwen36HybridCache, request_ids: list[str]
+    ) -> None:
+        """One caller-sampled request per row, its id appended to `request_ids`. Without prefix caching, row
+        b resumes in slot b on the tokens its cache row holds (none, unless past_key_values continues an
+        earlier call), and the rows' chunks share prefill calls. With it, each row looks up the prefix cache
+        once the rows before it are prefilled, so it also hits what they stored (and takes slot b)."""
+        for row, tokens in enumerate(rows):
+            resume = None
+            if self.prefix_cache is None:
+                computed = int(cache.seq_lens[row])
+                blocks = cache.block_tables[row, : -(-computed // cache.block_size)]
+                resume = ResumePoint(row, tuple(blocks.tolist()), computed)
+            params = SamplingParams(max_tokens=None)
+            request_id = engine.add_request(
+                tokens.tolist(), params, f"row-{row}", sampled_by_caller=True, resume=resume
+            )
+            request_ids.append(request_id)
+            if self.prefix_cache is not None:
+                engine.next_token_logits([request_id])
+
+    def _record_rows(self, engine: Engine, request_ids: list[str], cache: Qwen36HybridCache) -> None:
+        """Write where each row's tokens are into the cache's rows (lengths, tokens, block tables), so that
+        it reads like transformers' cache and a next call can continue it. With prefix caching the blocks
+        belong to the prefix cache once the rows finish: the tables are left empty."""
+        tables = torch.zeros_like(cache.block_tables)
+        held = set()
+        for row, request_id in enumerate(request_ids):
+            request = engine.request(request_id)
+            slot, blocks = engine.placement(request_id)
+            if slot != row:
+                raise RuntimeError(f"generate() row {row} ran in GDN slot {slot}, not in its own")
+            computed = request.num_computed
+            cache.seq_lens[row] = computed
+            cache.token_ids[row, :computed] = torch.tensor(request.token_ids[:computed])
+            if self.prefix_cache is None:
+                tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+                held.update(blocks)
+        if self.prefix_cache is None:
+            # Every row gets a full table of distinct blocks (those it holds first), as reorder_cache expects.
+            spare = iter(b for b in range(1, cache.key_cache.shape[1]) if b not in held)
+            for row in range(cache.batch_size):
+                for index in range(int((tables[row] > 0).sum()), cache.max_blocks_per_row):
+                    tables[row, index] = next(spare, 0)
+        cache.block_tables.copy_(tables)
 
 
 class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):

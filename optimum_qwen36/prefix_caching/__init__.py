@@ -5,7 +5,6 @@ from .build import build_prefix_cache
 from .checkpoint import GDNCheckpoint, GDNStateSpec, layer_checksums
 from .hashing import block_key, chain_keys, root_key
 from .manager import KERNEL_CHUNK, CachedSequence, KVBlocksExhausted, PrefixCache, PrefixCacheConfig
-from .schedule import plan_prefill_chunks
 
 __all__ = [
     "KERNEL_CHUNK",
@@ -20,6 +19,5 @@ __all__ = [
     "build_prefix_cache",
     "chain_keys",
     "layer_checksums",
-    "plan_prefill_chunks",
     "root_key",
 ]

@@ -33,6 +33,20 @@ class BlockPool:
         self._refs[block] = 1
         return block
 
+    def claim(self, block: int) -> None:
+        """Take a specific free block with ref count 1 (a sequence resumed on the blocks it already wrote)."""
+        if not 0 < block < self.num_blocks:
+            raise ValueError(f"block {block} is outside the pool 1..{self.num_blocks - 1}")
+        if not self._is_free[block]:
+            raise RuntimeError(f"block {block} is already held")
+        self._free.remove(block)
+        self._is_free[block] = False
+        self._refs[block] = 1
+
+    def is_free(self, block: int) -> bool:
+        """Whether `block` is a pool block (not the null block 0) that nobody holds."""
+        return 0 < block < self.num_blocks and self._is_free[block]
+
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 

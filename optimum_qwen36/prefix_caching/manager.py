@@ -219,6 +219,28 @@ class PrefixCache:
             _committed=len(shared),
         )
 
+    def adopt(self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed: int) -> CachedSequence:
+        """A sequence whose first ``num_computed`` tokens are already in ``block_ids`` (and its GDN state in
+        its slot): a continuation of a previous run over the same KV. Its blocks are claimed from the pool and
+        nothing is looked up; like any sequence, its blocks are registered as they fill (with caching on)."""
+        tokens = [int(t) for t in token_ids]
+        bs = self.config.block_size
+        if not 0 <= num_computed < len(tokens) or len(block_ids) != -(-num_computed // bs):
+            raise ValueError(
+                f"a sequence of {len(tokens)} tokens cannot resume after {num_computed} computed tokens "
+                f"in {len(block_ids)} blocks of {bs}"
+            )
+        for block in block_ids:
+            self.pool.claim(int(block))
+        return CachedSequence(
+            token_ids=tokens,
+            prompt_len=len(tokens),
+            cached_tokens=num_computed,
+            block_ids=[int(b) for b in block_ids],
+            checkpoint=None,
+            snapshot_positions=[],
+        )
+
     def restore(self, seq: CachedSequence, conv_dst: torch.Tensor, recurrent_dst: torch.Tensor) -> None:
         """Copy the hit checkpoint into the row's slot: ``conv_state[:, s]``, ``recurrent_state[:, s]``."""
         if seq.checkpoint is None:
