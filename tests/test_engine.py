@@ -368,6 +368,8 @@ def test_a_resume_is_refused_where_its_slot_or_blocks_are_taken(cold, cached) ->
     assert pool.num_free == free and engine.scheduler.can_resume_in(other_slot)
     with pytest.raises(ValueError, match="prefix caching on"):
         cached.create_engine().add_request(prompt, params, resume=ResumePoint(0, (), 0))
+    with pytest.raises(ValueError, match="prompt_logprobs asks for the computed tokens"):
+        engine.add_request(prompt, SamplingParams(prompt_logprobs=1), resume=ResumePoint(other_slot, (), 0))
 
 
 def test_a_request_whose_caller_holds_its_logits_is_not_preempted(cold) -> None:

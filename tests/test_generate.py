@@ -134,9 +134,12 @@ def test_continuing_rows_that_cross_a_kv_block_boundary_equals_one_shot(checkpoi
     assert torch.equal(second, one_shot)
 
 
-def test_a_continuation_that_raises_starts_its_rows_over_on_retry(checkpoint) -> None:
+def test_a_continuation_that_raises_starts_its_rows_over_on_retry(
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A continuation interrupted after a few steps has moved the rows' states past what the cache records:
-    the rows are emptied, so retrying with the same cache recomputes them and gives the one-shot tokens."""
+    the rows are emptied, so retrying with the same cache recomputes them and gives the one-shot tokens.
+    One interrupted before any step leaves the cache as it was."""
     path, _ = checkpoint
     model = export_eager(path)
     input_ids, mask = left_padded_prompts([20, 9], seed=6)
@@ -155,17 +158,21 @@ def test_a_continuation_that_raises_starts_its_rows_over_on_retry(checkpoint) ->
             raise Interrupt
         return scores
 
+    def interrupt_at_once(*args: Any) -> None:
+        raise Interrupt
+
+    continuation = dict(
+        attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15, do_sample=False
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr("optimum_qwen36.engine.Engine.next_token_logits", interrupt_at_once)
+        with pytest.raises(Interrupt):
+            model.generate(first.sequences, **continuation)
+    assert cache.seq_lens[:2].tolist() == [24, 13]
     with pytest.raises(Interrupt):
-        model.generate(
-            first.sequences, attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15,
-            do_sample=False, logits_processor=[interrupt],
-        )  # fmt: skip
+        model.generate(first.sequences, logits_processor=[interrupt], **continuation)
     assert cache.seq_lens.tolist() == [0] * cache.batch_size
-    retry = model.generate(
-        first.sequences, attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15,
-        do_sample=False,
-    )  # fmt: skip
-    assert torch.equal(retry, one_shot)
+    assert torch.equal(model.generate(first.sequences, **continuation), one_shot)
 
 
 def test_a_kept_cache_serves_the_next_call_like_a_new_one(checkpoint) -> None:

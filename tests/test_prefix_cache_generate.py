@@ -138,6 +138,8 @@ def test_a_row_that_ends_early_caches_its_answer_not_its_padding(
     assert first.sequences.shape[1] == 200
     turn2 = torch.cat([first.sequences[0, : 100 + 35], tokens(20, 8)])
     assert check(model, cold, [turn2]) == [128]
+    # A one-row call returns a cache whose other rows are empty, whatever earlier calls left there.
+    assert generate(model, [tokens(10, 40)], new=2).past_key_values.seq_lens[1:].sum() == 0
 
 
 def test_mixed_hits_in_one_batch(checkpoint: Path, cold: NeuronQwen36ForCausalLM) -> None:

@@ -98,6 +98,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._planned_tokens = 0  # by the last step
+        self.num_steps = 0  # steps that computed tokens
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -116,9 +117,11 @@ class Engine:
         differently), so that the prefix cache keeps a GDN state checkpoint there.
 
         `sampled_by_caller`: the caller picks every token (`next_token_logits`, then `append_token`), and
-        ends the request (`abort`); `params` then only sets its seed. `resume`: the prompt's first tokens
-        are already computed in a slot and blocks of this engine's cache (a continuation of an earlier run).
-        Bad input raises ValueError, and nothing is queued."""
+        ends the request (`abort`); of `params` only max_tokens counts (the longest it may grow, which the
+        block pool must hold). `resume`: the prompt's first tokens are already computed in a slot and blocks
+        of this engine's cache, left there by an earlier request whose tokens they are, with nothing run in
+        that slot or those blocks since (generate()'s continuation, on an engine of its own); its slot and
+        blocks are taken at once. Bad input raises ValueError, and nothing is queued."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -151,7 +154,7 @@ class Engine:
                 "speculative=False."
             )
         if resume is not None:
-            self._check_resume(resume, len(ids))
+            self._check_resume(resume, len(ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
@@ -171,11 +174,18 @@ class Engine:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request_id
 
-    def _check_resume(self, resume: ResumePoint, num_tokens: int) -> None:
+    def _check_resume(self, resume: ResumePoint, num_tokens: int, params: SamplingParams) -> None:
+        """What can be checked of a resume point: the slot and blocks are free and fit its tokens, and
+        nothing the resumed tokens lack is needed (prefix-cache keys, the MTP layer's KV, prompt
+        log-probabilities)."""
         block_size = self.cache.block_size
         problems = []
         if self.prefix_cache.caching:
             problems.append("the engine has prefix caching on, and its blocks belong to the prefix cache")
+        if self.drafter is not None:
+            problems.append("the engine drafts with the MTP layer, whose KV the computed tokens lack")
+        if params.prompt_logprobs is not None:
+            problems.append("prompt_logprobs asks for the computed tokens' log-probabilities")
         if not 0 <= resume.slot < self.max_num_seqs:
             problems.append(f"slot {resume.slot} is not one of the cache's {self.max_num_seqs}")
         elif not self.scheduler.can_resume_in(resume.slot):
@@ -226,7 +236,9 @@ class Engine:
     # ------------------------------------------------------------------ caller-sampled requests
     def next_token_logits(self, request_ids: Sequence[str]) -> torch.Tensor:
         """Step until each of these caller-sampled requests has the logits of its next token (prefilling
-        its prompt, or feeding the token appended last); returns them, [len(request_ids), vocab]."""
+        its prompt, or feeding the token appended last); returns them, [len(request_ids), vocab]. The outputs
+        of engine-sampled requests that these steps produce are not returned: beside such requests, drive
+        the engine with `step()` and read `request(id).next_token_logits`."""
         requests = [self._requests[request_id] for request_id in request_ids]
         for request in requests:
             if not request.sampled_by_caller:
@@ -275,6 +287,7 @@ class Engine:
         """Run one plan; returns an output for every request that produced tokens or finished."""
         plan = self.scheduler.schedule()
         self._planned_tokens = plan.num_tokens
+        self.num_steps += bool(plan)
         for request in plan.admitted:
             self._start(request)
         kept: list[tuple[Request, list[VerifiedToken]]] = []
@@ -302,16 +315,16 @@ class Engine:
                 if chunk.completes:
                     logits.append(pack_logits[i : i + 1])
                     rows.append(chunk.request)
-        if rows:
-            every_logits = torch.cat(logits)
+        every_logits = torch.cat(logits) if rows else None
+        if any(request.sampled_by_caller for request in rows):
             for i, request in enumerate(rows):
                 if request.sampled_by_caller:
                     request.next_token_logits = every_logits[i]
                     request.state = RequestState.DECODING
             engine_rows = [i for i, request in enumerate(rows) if not request.sampled_by_caller]
-            rows = [rows[i] for i in engine_rows]
+            every_logits, rows = every_logits[engine_rows], [rows[i] for i in engine_rows]
         if rows:
-            sampled = sample(every_logits[engine_rows], [self._sampling_row(r) for r in rows])
+            sampled = sample(every_logits, [self._sampling_row(r) for r in rows])
             for i, request in enumerate(rows):
                 token = VerifiedToken(
                     int(sampled.tokens[i]), float(sampled.logprobs[i]), sampled.top_logprobs[i]

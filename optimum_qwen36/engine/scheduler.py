@@ -265,7 +265,6 @@ class Scheduler:
         request.num_computed = 0
         request.num_preemptions += 1
         request.draft_ids.clear()  # drafted again once its prompt and outputs are recomputed
-        request.next_token_logits = None  # computed again with the rest
         self.waiting.appendleft(request)
         plan.decodes = [r for r in plan.decodes if r is not request]
         plan.prefills = [c for c in plan.prefills if c.request is not request]

@@ -653,7 +653,7 @@ class NeuronModelForCausalLM:
         raw_logits: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
         try:
-            self._submit_rows(engine, rows, cache, request_ids)
+            self._submit_rows(engine, rows, cache, max_new_tokens, request_ids)
             logits = engine.next_token_logits(request_ids)
             unfinished = torch.ones(len(rows), dtype=torch.bool)
             for step in range(max_new_tokens):
@@ -678,16 +678,15 @@ class NeuronModelForCausalLM:
                 logits = engine.next_token_logits(request_ids)
             self._record_rows(engine, request_ids, cache)
             cached_tokens = [engine.request(request_id).cached_prompt_tokens for request_id in request_ids]
+            for request_id in request_ids:
+                engine.abort(request_id)  # its blocks go back to the pool (with prefix caching: to the cache)
         except BaseException:
             for request_id in request_ids:
                 engine.abort(request_id, after_error=True)  # nothing half-computed is cached
-            # The rows' states and KV may have moved past what seq_lens says: a next call starts them over.
-            cache.seq_lens[: len(rows)] = 0
-            if self.prefix_cache is not None:
-                cache.block_tables.zero_()
+            if engine.num_steps:
+                # The rows' states and KV may be past what seq_lens says: a next call starts them over.
+                self._clear_rows(cache, len(rows))
             raise
-        for request_id in request_ids:
-            engine.abort(request_id)  # its blocks go back to the pool (with prefix caching: to the cache)
         if streamer is not None:
             streamer.end()
         if keep_cache:
@@ -811,7 +810,12 @@ class NeuronModelForCausalLM:
         )
 
     def _submit_rows(
-        self, engine: Engine, rows: list[torch.Tensor], cache: Qwen36HybridCache, request_ids: list[str]
+        self,
+        engine: Engine,
+        rows: list[torch.Tensor],
+        cache: Qwen36HybridCache,
+        max_new_tokens: int,
+        request_ids: list[str],
     ) -> None:
         """One caller-sampled request per row, its id appended to `request_ids`. Without prefix caching, row
         b resumes in slot b on the tokens its cache row holds (none, unless past_key_values continues an
@@ -823,7 +827,7 @@ class NeuronModelForCausalLM:
                 computed = int(cache.seq_lens[row])
                 blocks = cache.block_tables[row, : -(-computed // cache.block_size)]
                 resume = ResumePoint(row, tuple(blocks.tolist()), computed)
-            params = SamplingParams(max_tokens=None)
+            params = SamplingParams(max_tokens=max_new_tokens)
             request_id = engine.add_request(
                 tokens.tolist(), params, f"row-{row}", sampled_by_caller=True, resume=resume
             )
@@ -835,8 +839,8 @@ class NeuronModelForCausalLM:
         """Write where each row's tokens are into the cache's rows (lengths, tokens, block tables), so that
         it reads like transformers' cache and a next call can continue it. With prefix caching the blocks
         belong to the prefix cache once the rows finish: the tables are left empty."""
-        tables = torch.zeros_like(cache.block_tables)
-        held = set()
+        self._clear_rows(cache, cache.batch_size)
+        tables = cache.block_tables
         for row, request_id in enumerate(request_ids):
             request = engine.request(request_id)
             slot, blocks = engine.placement(request_id)
@@ -847,14 +851,23 @@ class NeuronModelForCausalLM:
             cache.token_ids[row, :computed] = torch.tensor(request.token_ids[:computed])
             if self.prefix_cache is None:
                 tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-                held.update(blocks)
         if self.prefix_cache is None:
             # Every row gets a full table of distinct blocks (those it holds first), as reorder_cache expects.
-            spare = iter(b for b in range(1, cache.key_cache.shape[1]) if b not in held)
+            held = torch.zeros(cache.key_cache.shape[1], dtype=torch.bool, device=tables.device)
+            held[0] = True
+            held[tables.flatten()] = True
+            spare = (~held).nonzero().flatten()
             for row in range(cache.batch_size):
-                for index in range(int((tables[row] > 0).sum()), cache.max_blocks_per_row):
-                    tables[row, index] = next(spare, 0)
-        cache.block_tables.copy_(tables)
+                start = int((tables[row] > 0).sum())
+                taken = spare[: cache.max_blocks_per_row - start]
+                tables[row, start : start + len(taken)] = taken
+                spare = spare[len(taken) :]
+
+    @staticmethod
+    def _clear_rows(cache: Qwen36HybridCache, num_rows: int) -> None:
+        """Empty the first `num_rows` rows of `cache`: no tokens, no blocks."""
+        cache.seq_lens[:num_rows] = 0
+        cache.block_tables[:num_rows] = 0
 
 
 class NeuronQwen36ForCausalLM(NeuronModelForCausalLM):

@@ -327,7 +327,8 @@ def outputs_digest(outputs: list[Any]) -> str:
 
 
 class ReplicatedEngine:
-    """The driver's engine: calls that change it run on every rank; reads (stats, requests) run here."""
+    """The driver's engine: calls that change it run on every rank; reads (stats, requests) run here. Its
+    requests are sampled by the engine (generate() runs an engine of its own on every rank)."""
 
     def __init__(self, engine: Any, driver: Driver, model: Any) -> None:
         self._engine = engine

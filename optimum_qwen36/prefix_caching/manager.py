@@ -230,8 +230,7 @@ class PrefixCache:
                 f"a sequence of {len(tokens)} tokens cannot resume after {num_computed} computed tokens "
                 f"in {len(block_ids)} blocks of {bs}"
             )
-        for block in block_ids:
-            self.pool.claim(int(block))
+        self.pool.claim(block_ids)
         return CachedSequence(
             token_ids=tokens,
             prompt_len=len(tokens),
