@@ -97,7 +97,6 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        self._planned_tokens = 0  # by the last step
         self.num_steps = 0  # steps that computed tokens
 
     # ------------------------------------------------------------------ requests
@@ -249,8 +248,9 @@ class Engine:
                     f"sequence_length={self.cache.sequence_length} leaves no room for another."
                 )
         while not all(request.awaits_token for request in requests):
+            steps = self.num_steps
             self.step()
-            if not self._planned_tokens:
+            if self.num_steps == steps:
                 raise RuntimeError("the scheduler planned nothing while requests wait for their logits")
         return torch.stack([request.next_token_logits for request in requests])
 
@@ -286,7 +286,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one plan; returns an output for every request that produced tokens or finished."""
         plan = self.scheduler.schedule()
-        self._planned_tokens = plan.num_tokens
         self.num_steps += bool(plan)
         for request in plan.admitted:
             self._start(request)
