@@ -72,13 +72,19 @@ needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40])
 @pytest.mark.parametrize(
-    "features", [(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001), (13, 2048), (10, 2100)]
+    "features",
+    [
+        *[(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001), (13, 2048), (10, 2100)],
+        *[(48, 96), (40, 2048)],  # AMX tiles
+    ],
 )
 def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
     """Every row count (the streamed groups of 4 and their remainders, ATen's path above 16 rows: on AVX2
     the weight widened in tiles of 4 MB: 1100 rows of 1001 are two tiles) and feature counts below, at and
-    past one vector (16 values with AVX2, 32 with AVX-512) and not multiples of it: float32 accumulation
-    rounded once to bf16, so within one bf16 rounding of the float64 product of the same bf16 values."""
+    past one vector (16 values with AVX2, 32 with AVX-512) and not multiples of it, and weights that go
+    through AMX tiles (rows of a multiple of 32 values: 3 tiles of 16 weight rows, 2 tiles and 8 rows of
+    dot products): float32 accumulation rounded once to bf16, so within one bf16 rounding of the float64
+    product of the same bf16 values."""
     out_features, in_features = features
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -94,11 +100,11 @@ def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]
 
 
 @needs_native
-@pytest.mark.parametrize("features", [(70, 300), (13, 2048), (9, 2100)])
+@pytest.mark.parametrize("features", [(70, 300), (13, 2048), (9, 2100), (40, 2048), (48, 96)])
 def test_bf16_linear_rows_do_not_depend_on_the_batch(features: tuple[int, int]) -> None:
     """A row's output is bitwise the same alone and with up to 15 others (each streamed group of x rows,
-    each block of weight rows and its remainder, short and long weight rows): batch invariance of every
-    decode and verify step rests on it."""
+    each block of weight rows and its remainder, short and long weight rows, AMX tiles of 16 weight rows
+    and the rows past them): batch invariance of every decode and verify step rests on it."""
     out_features, in_features = features
     generator = torch.Generator().manual_seed(out_features)
     x = torch.randn(16, in_features, generator=generator).bfloat16()
@@ -106,6 +112,17 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(features: tuple[int, int]) 
     alone = torch.cat([torch.ops.optimum_qwen36.bf16_linear(row[None], weight, None) for row in x])
     for rows in range(2, 17):
         assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x[:rows], weight, None), alone[:rows])
+
+
+@needs_native
+@pytest.mark.parametrize("features", [(9, 17), (48, 96)])
+def test_bf16_linear_of_no_rows(features: tuple[int, int]) -> None:
+    """An empty x (no tile of zero columns is ever configured) gives an empty output of the right shape."""
+    out_features, in_features = features
+    weight = torch.ones(out_features, in_features, dtype=torch.bfloat16)
+    x = torch.empty(0, in_features, dtype=torch.bfloat16)
+    out = torch.ops.optimum_qwen36.bf16_linear(x, weight, None)
+    assert out.shape == (0, out_features) and out.dtype == torch.bfloat16
 
 
 @needs_native

@@ -30,10 +30,12 @@ FILES = (
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
 # AVX-512 with BF16 dot products (bf16_linear, attention, the GDN prefill), plus VBMI's byte tables
-# (fp8_linear's bf16 decode path).
+# (fp8_linear's bf16 decode path) and AMX tiles (bf16_linear's decode rows).
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}
+# bf16_linear's tile path (with the AVX-512 BF16 set).
+TILE_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 # What ATen's bf16 matrix product (oneDNN) needs to run near its float32 speed.
 BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -59,7 +61,8 @@ def build_flags() -> list[str]:
     flags = cpu_flags()
     bf16 = _all_or_none(BF16_FLAGS, flags)
     byte_tables = _all_or_none(BYTE_TABLE_FLAGS, flags) if bf16 else []
-    return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *bf16, *byte_tables]
+    tiles = _all_or_none(TILE_FLAGS, flags) if bf16 else []
+    return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *bf16, *byte_tables, *tiles]
 
 
 def gdn_prefill_vectorized() -> bool:

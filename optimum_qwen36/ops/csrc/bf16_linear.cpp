@@ -10,13 +10,19 @@
 // summed together at the end, so a few x rows cost little more than one (one weight row at a time, the x
 // loads and the horizontal sums, not the memory, bound those rows); shorter rows keep the one-row loop, which
 // measured faster for them at one to three x rows.
-// The path depends on the weight's shape only, and an output's arithmetic does not depend on how many x
-// rows it is computed with: a row's result is the same alone and in a batch. More rows (prefill) go to
-// ATen's matrix product (where there are no bf16 dot products for it, in float32 on tiles of widened weight
-// rows). With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and each weight slice
-// is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs: the weight is
-// still read as bf16, half the bytes of a float32 model. Without either, the same loop runs in scalar
-// float32 (the same values up to summation order).
+// With AMX (and Linux granting this process the tile data), weights whose rows are a multiple of 32 values go
+// 16 weight rows at a time through the tile unit instead: C[16 weight rows, x rows] += A[16 weight rows, 32
+// values] * B[32 values, x rows], A loaded straight from the row-major weight (16 strided 64-byte loads), B
+// from x rearranged once per call into pairs (the layout the tile product takes). One tile product costs
+// about the same for any x row count up to 16, where the dot products above cost one per x row, so several
+// rows stream the weight faster (docs/EXPORT.md 1c). Weight rows past the last 16 keep the dot products.
+// The path depends on the weight's shape only (and the machine), and an output's arithmetic does not depend
+// on how many x rows it is computed with: a row's result is the same alone and in a batch. More rows
+// (prefill) go to ATen's matrix product (where there are no bf16 dot products for it, in float32 on tiles of
+// widened weight rows). With AVX2 and FMA but no AVX-512 BF16, x is widened to float32 once per call and
+// each weight slice is widened as it streams (a bf16 is the top half of a float32), then multiplied by FMAs:
+// the weight is still read as bf16, half the bytes of a float32 model. Without either, the same loop runs
+// in scalar float32 (the same values up to summation order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,10 +31,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QWEN36_BF16_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QWEN36_BF16_AMX 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "vec_math.h"
 #define QWEN36_BF16_AVX2 1
@@ -206,6 +218,78 @@ void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, 
 }
 #endif
 
+#ifdef QWEN36_BF16_AMX
+constexpr int64_t kTileRows = 16;    // weight rows per tile (the tile unit's rows)
+constexpr int64_t kTileValues = 32;  // values per tile row (64 bytes of bf16)
+
+// The palette-1 tile configuration (Intel SDM, LDTILECFG): bytes per row and rows of each of the 8 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands the tile data (XTILEDATA) to a process only once it asks (arch_prctl, kernel 5.16+); without
+// it the first tile instruction faults, so the dot products stay.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+// The tiles used (the intrinsics take literal tile numbers): the float32 accumulator, the weight, x.
+#define ACC_TILE 0
+#define WEIGHT_TILE 1
+#define X_TILE 2
+
+// y[:, m0:m0 + kTileRows * tiles] for N <= kTileRows x rows: x_pairs is x as [K / 2][N][2] (B), each weight
+// tile 16 rows x 32 values (A), the product accumulated in one float32 tile over K.
+void weight_tiles_times_x(const bf16* x_pairs, const bf16* weight, int64_t N, int64_t M, int64_t K, int64_t m0,
+                          int64_t tiles, float* y) {
+  alignas(64) float acc[kTileRows * kTileRows];
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m = m0 + t * kTileRows;
+    const bf16* w = weight + m * K;
+    _tile_zero(ACC_TILE);
+    for (int64_t k = 0; k < K; k += kTileValues) {
+      for (int64_t r = 0; r < kTileRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      _tile_loadd(X_TILE, x_pairs + k * N, N * 2 * int64_t(sizeof(bf16)));
+      _tile_loadd(WEIGHT_TILE, w + k, K * int64_t(sizeof(bf16)));
+      _tile_dpbf16ps(ACC_TILE, WEIGHT_TILE, X_TILE);
+    }
+    _tile_stored(ACC_TILE, acc, N * int64_t(sizeof(float)));
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t n = 0; n < N; ++n) y[n * M + m + r] = acc[r * N + n];
+  }
+}
+
+// y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows, K a multiple of kTileValues: the first
+// M / 16 * 16 weight rows through tiles, the rest by dot products.
+void stream_row_tiles(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+  std::vector<bf16> x_pairs(size_t(N * K));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) x_pairs[size_t((k / 2) * N * 2 + n * 2 + k % 2)] = x[n * K + k];
+  const int64_t tiles = M / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    config.rows[ACC_TILE] = config.rows[WEIGHT_TILE] = config.rows[X_TILE] = kTileRows;
+    config.colsb[ACC_TILE] = uint16_t(N * sizeof(float));
+    config.colsb[WEIGHT_TILE] = uint16_t(kTileValues * sizeof(bf16));
+    config.colsb[X_TILE] = uint16_t(N * 2 * sizeof(bf16));
+    _tile_loadconfig(&config);
+    weight_tiles_times_x(x_pairs.data(), weight, N, M, K, begin * kTileRows, end - begin, y);
+    _tile_release();
+  });
+  for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
+}
+#endif
+
 #ifdef QWEN36_BF16_AVX2
 // More than kStreamRows rows without bf16 dot products (ATen's bf16 product then runs several times slower
 // than its float32 one): the float32 product of the widened values (exact), kTileBytes of widened weight rows
@@ -265,7 +349,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
 #ifdef QWEN36_BF16_AVX512
   // Whether weight rows go in blocks depends on the weight's shape only, so a row's result does not depend
   // on the batch (short weight rows measured faster one at a time, at one to three x rows).
+#ifdef QWEN36_BF16_AMX
+  if (N > 0 && K % kTileValues == 0 && M >= kTileRows && amx_granted()) {
+    stream_row_tiles(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
+  } else if (K >= kBlockedMinFeatures) {
+#else
   if (K >= kBlockedMinFeatures) {
+#endif
     stream_row_blocks(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
   } else {
     stream_rows(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
