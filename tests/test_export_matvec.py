@@ -75,7 +75,7 @@ needs_native = pytest.mark.skipif(not load_native_ops(), reason="the native CPU 
     "features",
     [
         *[(70, 300), (33, 1024), (9, 8), (9, 16), (9, 17), (1100, 1001), (13, 2048), (10, 2100)],
-        *[(48, 96), (40, 2048)],  # AMX tiles
+        *[(48, 96), (40, 2048), (16, 32)],  # AMX tiles
     ],
 )
 def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]) -> None:
@@ -100,7 +100,7 @@ def test_bf16_linear_equals_float64_product(rows: int, features: tuple[int, int]
 
 
 @needs_native
-@pytest.mark.parametrize("features", [(70, 300), (13, 2048), (9, 2100), (40, 2048), (48, 96)])
+@pytest.mark.parametrize("features", [(70, 300), (13, 2048), (9, 2100), (40, 2048), (48, 96), (16, 32)])
 def test_bf16_linear_rows_do_not_depend_on_the_batch(features: tuple[int, int]) -> None:
     """A row's output is bitwise the same alone and with up to 15 others (each streamed group of x rows,
     each block of weight rows and its remainder, short and long weight rows, AMX tiles of 16 weight rows
@@ -112,6 +112,21 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(features: tuple[int, int]) 
     alone = torch.cat([torch.ops.optimum_qwen36.bf16_linear(row[None], weight, None) for row in x])
     for rows in range(2, 17):
         assert torch.equal(torch.ops.optimum_qwen36.bf16_linear(x[:rows], weight, None), alone[:rows])
+
+
+def test_tile_flags_only_where_the_compiler_assembles_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AMX CPU the extension is built with the tile flags only where the compiler takes them: an old
+    toolchain that rejects them must not cost every native op its build."""
+    from optimum_qwen36.ops import native
+
+    amx_cpu = {*native.VECTOR_FLAGS, *native.BF16_FLAGS, *native.TILE_FLAGS}
+    monkeypatch.setattr(native, "cpu_flags", lambda: amx_cpu)
+    monkeypatch.setattr(native, "compiles", lambda source, flags: True)
+    assert set(native.TILE_FLAGS.values()) <= set(native.build_flags())
+    monkeypatch.setattr(native, "compiles", lambda source, flags: False)
+    flags = native.build_flags()
+    assert not set(native.TILE_FLAGS.values()) & set(flags) and "-mavx512bf16" in flags
+    assert not native.compiles("this is not C++", ())
 
 
 @needs_native

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,10 @@ FILES = (
 VECTOR_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c"}
 BF16_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512_bf16": "-mavx512bf16"}
 BYTE_TABLE_FLAGS = {"avx512vbmi": "-mavx512vbmi"}
-# bf16_linear's tile path (with the AVX-512 BF16 set).
+# bf16_linear's tile path (with the AVX-512 BF16 set), where the compiler and assembler know them.
 TILE_FLAGS = {"amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
+TILE_PROBE = "#include <immintrin.h>\nvoid release_tiles() { _tile_release(); }\n"
+
 # What ATen's bf16 matrix product (oneDNN) needs to run near its float32 speed.
 BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -62,7 +66,23 @@ def build_flags() -> list[str]:
     bf16 = _all_or_none(BF16_FLAGS, flags)
     byte_tables = _all_or_none(BYTE_TABLE_FLAGS, flags) if bf16 else []
     tiles = _all_or_none(TILE_FLAGS, flags) if bf16 else []
+    if tiles and not compiles(TILE_PROBE, tuple(tiles)):
+        tiles = []
     return ["-O3", "-fopenmp", *_all_or_none(VECTOR_FLAGS, flags), *bf16, *byte_tables, *tiles]
+
+
+@functools.cache
+def compiles(source: str, flags: tuple[str, ...]) -> bool:
+    """Whether the C++ compiler of torch's extension builder compiles and assembles `source` with `flags`
+    (GCC before 11 or binutils before 2.36 reject AMX's: the whole extension would then fail to build)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    command = [get_cxx_compiler(), *flags, "-x", "c++", "-c", "-", "-o", os.devnull]
+    try:
+        result = subprocess.run(command, input=source, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0
 
 
 def gdn_prefill_vectorized() -> bool:

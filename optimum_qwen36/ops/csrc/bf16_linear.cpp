@@ -347,8 +347,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   const auto* x_ptr = reinterpret_cast<const XValue*>(xc.data_ptr());
   const auto* w_ptr = reinterpret_cast<const bf16*>(w.data_ptr());
 #ifdef QWEN36_BF16_AVX512
-  // Whether weight rows go in blocks depends on the weight's shape only, so a row's result does not depend
-  // on the batch (short weight rows measured faster one at a time, at one to three x rows).
+  // Whether weight rows go through tiles or in blocks depends on the weight's shape only (and the machine),
+  // so a row's result does not depend on the batch (short weight rows measured faster one at a time, at one
+  // to three x rows).
 #ifdef QWEN36_BF16_AMX
   if (N > 0 && K % kTileValues == 0 && M >= kTileRows && amx_granted()) {
     stream_row_tiles(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
