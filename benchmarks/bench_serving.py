@@ -11,6 +11,11 @@ hits another's prefixes; `--output-tokens` new tokens each):
   `--first-turn-tokens` random words, then follow-ups of `--turn-tokens`; each turn sends the history
   (earlier messages and the answers the server gave). TTFT of each later turn (warm: the history is in the
   prefix cache) against the same prompt under another system message (cold: same length, nothing cached).
+  Thinking is off and the template's `preserve_thinking` on (Qwen3.6's flag: history turns keep their think
+  block, here the empty one the generation prompt holds), so the rendered history is what was generated.
+  The answers are digits (`logit_bias` +100 on the ten digit tokens): their text re-tokenizes to the tokens
+  generated, as a real model's answers do; a random model's arbitrary tokens would not, and no server could
+  then reuse an answer it cached.
 Per workload and server: request and output throughput, TTFT, inter-token latency (gaps between streamed
 tokens), TPOT (per request: (last - first token) / (tokens - 1)) and end-to-end latency, p50 / p99; prompt
 tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`). Each workload is run
@@ -122,13 +127,15 @@ class Client:
         )  # fmt: skip
         return await self._consume(stream, timeline, chat=False)
 
-    async def chat(self, messages: list[dict], max_tokens: int | None = None) -> Timeline:
+    async def chat(
+        self, messages: list[dict], logit_bias: dict[str, int], max_tokens: int | None = None
+    ) -> Timeline:
         timeline = Timeline(self.now())
+        template = {"enable_thinking": False, "preserve_thinking": True}
         stream = await self.api.chat.completions.create(
             model=self.model, messages=messages, max_tokens=max_tokens or self.output_tokens, temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+            stream=True, stream_options={"include_usage": True}, logit_bias=logit_bias,
+            extra_body={"ignore_eos": True, "chat_template_kwargs": template},
         )  # fmt: skip
         return await self._consume(stream, timeline, chat=True)
 
@@ -164,7 +171,20 @@ async def concurrency(client: Client, work: list[list[int]], limit: int) -> tupl
     return done, client.now()
 
 
-async def multi_turn(client: Client, args: argparse.Namespace, seed: int) -> tuple[dict, float]:
+def digit_bias(checkpoint: Path) -> dict[str, int]:
+    """logit_bias (+100) on the ten digit tokens of the tokenizer the checkpoint is served with."""
+    from optimum_qwen36.tokenizer import load_qwen36_tokenizer
+
+    tokenizer = load_qwen36_tokenizer(checkpoint)
+    ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    if tokenizer.unk_token_id in ids or None in ids:
+        raise ValueError(f"{checkpoint}'s tokenizer has no single token for every digit: {ids}")
+    return {str(i): 100 for i in ids}
+
+
+async def multi_turn(
+    client: Client, args: argparse.Namespace, seed: int, bias: dict[str, int]
+) -> tuple[dict, float]:
     """Conversations one after another: a first message of `--first-turn-tokens` words (a document),
     then follow-ups of `--turn-tokens` words. Each later turn is sent twice: as the conversation goes on
     (`warm`: the prefix cache holds the history), then the same prompt under another system message
@@ -178,12 +198,12 @@ async def multi_turn(client: Client, args: argparse.Namespace, seed: int) -> tup
         for turn in range(args.turns):
             size = args.first_turn_tokens if turn == 0 else args.turn_tokens
             history.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(size))})
-            timeline = await client.chat(history)
+            timeline = await client.chat(history, bias)
             history.append({"role": "assistant", "content": timeline.text})
             if turn:
                 warm.append(timeline)
                 salted = [{"role": "system", "content": f"Unseen {rng.random()}."}, *history[1:-1]]
-                cold.append(await client.chat(salted, max_tokens=1))
+                cold.append(await client.chat(salted, bias, max_tokens=1))
     await client.api.close()
     return {"warm": warm, "cold": cold}, client.now()
 
@@ -222,7 +242,9 @@ def served_model_name(url: str) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
-def run_workloads(client: Client, args: argparse.Namespace, vocab: int, seed: int) -> dict[str, dict]:
+def run_workloads(
+    client: Client, args: argparse.Namespace, vocab: int, bias: dict[str, int], seed: int
+) -> dict[str, dict]:
     """Every workload once, each on its own prompts (one workload must not hit another's prefixes: that
     would measure the prefix cache, not the batching); {workload: summary}."""
     out: dict[str, dict] = {}
@@ -237,7 +259,7 @@ def run_workloads(client: Client, args: argparse.Namespace, vocab: int, seed: in
         done, elapsed = asyncio.run(concurrency(client, work, limit))
         out[name] = summary(done, elapsed)
     if args.conversations:
-        turns, elapsed = asyncio.run(multi_turn(client, args, seed))
+        turns, elapsed = asyncio.run(multi_turn(client, args, seed, bias))
         cold, warm = summary(turns["cold"], elapsed), summary(turns["warm"], elapsed)
         out["multi-turn"] = {
             "ttft_cold_p50_s": cold["ttft_p50_s"],
@@ -339,6 +361,7 @@ def main() -> None:
             Path(args.model) if args.model else random_checkpoint(Path(tmp) / "ckpt", args.layers, dtype)
         )
         vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 248320)
+        bias = digit_bias(checkpoint)
         process, url = start_our_server(args, checkpoint)
         try:
             servers = {OURS: Client(url, "bench", args.output_tokens)}
@@ -352,7 +375,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name, client in servers.items():  # alternate: both sides see the same load
                     # Each repeat its own prompts (a repeat must not hit the previous one's prefixes).
-                    runs[name].append(run_workloads(client, args, vocab, args.seed + repeat))
+                    runs[name].append(run_workloads(client, args, vocab, bias, args.seed + repeat))
                     print(f"repeat {repeat}: {name} done", flush=True)
         finally:
             process.terminate()

@@ -7,6 +7,7 @@ caching, holding only that request: the reference its run in company must equal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 from typing import Any
@@ -499,6 +500,59 @@ def test_penalties_match_transformers_and_openai() -> None:
     torch.testing.assert_close(ours, expected)
 
 
+def test_logit_bias_adds_to_the_named_tokens_of_its_row_only() -> None:
+    from optimum_qwen36.engine.sampling import sample
+
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    bias = {3: 100.0, 7: -100.0, 11: 0.5}
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logit_bias=bias), [1], [], (), request_generator(0)),
+        SamplingRow(SamplingParams(temperature=0), [1], [], (), request_generator(0)),
+    ]
+    ours = apply_penalties(logits, rows)
+    expected = logits.clone()
+    for token, value in bias.items():
+        expected[0, token] += value
+    torch.testing.assert_close(ours, expected)
+    # OpenAI's rule: +100 all but forces a token; the returned log-probability stays the model's own.
+    picked = sample(logits, rows)
+    assert picked.tokens.tolist() == [3, int(logits[1].argmax())]
+    assert float(picked.logprobs[0]) == pytest.approx(float(logits[0].log_softmax(-1)[3]))
+
+
+class OnlyTokens:
+    """A constraint allowing a fixed set of tokens: the reference a +100 logit bias must agree with."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.allowed] = True
+        return mask
+
+    def accept(self, token_id: int) -> None:
+        assert token_id in self.allowed
+
+
+def test_logit_bias_in_the_engine_steers_greedy_decoding(cold) -> None:
+    prompt, allowed = tokens(20, 90), [17, 250, 301, 444]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    biased = solo(cold, prompt, dataclasses.replace(params, logit_bias=dict.fromkeys(allowed, 100.0)))
+    engine = cold.create_engine()
+    request_id = engine.add_request(prompt, params, constraint=OnlyTokens(allowed))
+    assert biased.output_ids == engine.run()[request_id].output_ids
+    plain = solo(cold, prompt, params).output_ids
+    banned = solo(cold, prompt, dataclasses.replace(params, logit_bias={plain[0]: -100.0})).output_ids
+    assert banned[0] != plain[0]
+
+
+@pytest.mark.parametrize("bias", [{3: 101.0}, {-1: 1.0}])
+def test_logit_bias_out_of_range_is_refused(bias: dict[int, float]) -> None:
+    with pytest.raises(ValueError, match="logit_bias maps token ids"):
+        SamplingParams(logit_bias=bias)
+
+
 def test_a_seeded_row_draws_the_same_tokens_whatever_shares_the_step() -> None:
     from optimum_qwen36.engine.sampling import sample
 
@@ -532,6 +586,8 @@ def test_the_loop_thread_serves_submissions_from_several_threads(cold) -> None:
             thread.join()
         with pytest.raises(ValueError, match="not tokens"):
             loop.submit([VOCAB], params)
+        with pytest.raises(ValueError, match="logit_bias token ids"):
+            loop.submit([1], SamplingParams(logit_bias={VOCAB: 1.0}))
         outputs = {i: list(stream) for i, stream in streams.items()}
         for i, prompt in enumerate(prompts):
             tokens_streamed = [t for output in outputs[i] for t in output.new_token_ids]

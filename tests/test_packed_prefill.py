@@ -15,7 +15,8 @@ from helpers import export_eager, left_padded_prompts
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
 from optimum_qwen36.nki import causal_conv1d_fn
-from optimum_qwen36.ops.conv import causal_conv1d_varlen, varlen_conv_indices
+from optimum_qwen36.ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native, varlen_conv_indices
+from optimum_qwen36.ops.native import load_native_ops
 
 
 def _runner(model) -> ModelRunner:
@@ -152,6 +153,34 @@ def test_a_mixed_step_is_one_decode_call_and_one_packed_prefill(tiny_checkpoint)
     finally:
         del backend.prefill_chunk, backend.decode_step
     assert_each_as_alone(model, together, [*first, late], prompts, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_packed_conv_equals_the_pytorch_form(dtype: torch.dtype) -> None:
+    """The native op against the PyTorch form on packed sequences shorter than the conv's history, empty
+    and longer, with a channel count that is not a multiple of the vector width and more tokens than one
+    thread's range: the new conv states bitwise, the outputs within a float32 rounding of the SiLU (bf16:
+    one bf16 rounding where the float32 values straddle a rounding boundary)."""
+    if not load_native_ops():
+        pytest.skip("the native ops do not build here")
+    lengths, width, channels = [150, 0, 1, 2, 3, 5, 70], 4, 37
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(lengths), channels, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, generator=generator).to(dtype)
+    states = torch.randn(len(lengths), channels, width - 1, generator=generator).to(dtype)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    indices = varlen_conv_indices(cu_seqlens, width)
+    out, new_states = causal_conv1d_varlen_native(x, weight, states, *indices)
+    reference, reference_states = causal_conv1d_varlen(x, weight, states, *indices)
+    assert out.dtype == dtype and new_states.dtype == dtype
+    assert torch.equal(new_states, reference_states)
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out, reference, **tolerance)
+    # Row by row, whatever else is packed with it: the last sequence alone gives the same bits.
+    last = sum(lengths[:-1])
+    alone_indices = varlen_conv_indices(torch.tensor([0, lengths[-1]]), width)
+    alone, _ = causal_conv1d_varlen_native(x[last:], weight, states[-1:], *alone_indices)
+    assert torch.equal(alone, out[last:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

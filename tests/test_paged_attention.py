@@ -18,6 +18,7 @@ from optimum_qwen36.ops.attention import (
     paged_attention_varlen_native,
     paged_attention_varlen_torch,
 )
+from optimum_qwen36.ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native
 from optimum_qwen36.ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -161,6 +162,7 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
         gdn_decode_step_native,
         gdn_prefill_chunk_native,
         gdn_verify_step_native,
+        causal_conv1d_varlen_native,
     )
     try:
         with torch.no_grad():
@@ -172,6 +174,7 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
             gdn_decode_step_torch,
             gdn_prefill_chunk_torch,
             gdn_verify_step_torch,
+            causal_conv1d_varlen,
         )
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)

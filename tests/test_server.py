@@ -263,6 +263,24 @@ def test_n_and_seed(client) -> None:
     assert sample(1, seed=13) != sample(1, seed=11) or sample(1, seed=14) != sample(1, seed=11)
 
 
+def test_logit_bias_steers_the_tokens(client, model) -> None:
+    # +100 on the ids of a few one-token words: the greedy completion is made of those words only.
+    tokenizer = served_tokenizer(model)
+    words = [w for w in ("hello", "weather", "the", "and", "is", "to", "of") if
+             len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1][:3]  # fmt: skip
+    assert len(words) >= 2
+    bias = {str(tokenizer.encode(" " + w, add_special_tokens=False)[0]): 100 for w in words}
+    response = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.usage.completion_tokens == 6 and set(response.choices[0].text.split()) <= set(words)
+
+
 def test_completions_logprobs_and_echo(client) -> None:
     response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
     choice = response.choices[0]
@@ -353,6 +371,26 @@ def test_the_next_chat_turn_reuses_the_history_even_where_the_prompt_end_checkpo
     messages += [{"role": "user", "content": "And then?"}]
     follow_up = chat(client, messages, max_tokens=4, extra_body=NO_THINKING)
     assert follow_up.usage.prompt_tokens_details.cached_tokens == first.history // 64 * 64 > 0
+
+
+def test_with_preserve_thinking_the_next_turn_reuses_the_answer(client, model) -> None:
+    """Qwen3.6's preserve_thinking renders the history's (empty) think block as the generation prompt held
+    it, so the next turn's prompt continues the tokens this turn computed: its cached tokens reach into the
+    answer, to the last multiple of 64 its decoding passed, where the answer re-tokenizes to the tokens
+    generated (digits here, forced by logit_bias; a real model's text does too)."""
+    tokenizer = served_tokenizer(model)
+    digits = {str(tokenizer.convert_tokens_to_ids(str(d))): 100 for d in range(10)}
+    template = {"enable_thinking": False, "preserve_thinking": True}
+    extra = {"chat_template_kwargs": template, "ignore_eos": True}
+    messages = [{"role": "user", "content": "harbor violet " * 30}]
+    answer = chat(client, messages, max_tokens=80, logit_bias=digits, extra_body=extra)
+    content = answer.choices[0].message.content
+    assert content.isdigit() and answer.usage.completion_tokens == 80
+    computed = answer.usage.prompt_tokens + 80 - 1  # the last token is sampled, never fed
+    messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "More?"}]
+    follow_up = chat(client, messages, max_tokens=2, extra_body=extra)
+    cached = follow_up.usage.prompt_tokens_details.cached_tokens
+    assert cached == computed // 64 * 64 > answer.usage.prompt_tokens
 
 
 def test_concurrent_streaming_clients_match_their_solo_outputs(client) -> None:
@@ -522,6 +560,17 @@ BAD_REQUESTS = {
         None,
     ),
     "bad stop token": ("/v1/completions", {**GOOD, "stop_token_ids": [10**9]}, None),
+    "logit_bias key not a token id": ("/v1/completions", {**GOOD, "logit_bias": {"hello": 1}}, None),
+    "logit_bias token outside the vocabulary": (
+        "/v1/completions",
+        {**GOOD, "logit_bias": {"999999": 1}},
+        None,
+    ),
+    "logit_bias value over 100": (
+        "/v1/chat/completions",
+        {"messages": GREETING, "logit_bias": {"5": 101}},
+        None,
+    ),
     "bad json schema": (
         "/v1/chat/completions",
         {

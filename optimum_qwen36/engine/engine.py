@@ -127,7 +127,12 @@ class Engine:
                 f"n={params.n}: the engine generates one sequence per request; submit n requests."
             )
         ids = [int(t) for t in prompt_ids]
-        for what, values in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids)):
+        checked = (
+            ("prompt token ids", ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias token ids", list(params.logit_bias or ())),
+        )
+        for what, values in checked:
             outside = [t for t in values if not 0 <= t < self.vocab_size]
             if outside:
                 raise ValueError(

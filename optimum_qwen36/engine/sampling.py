@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-# OpenAI's bounds for the two additive penalties, and its cap on top logprobs.
+# OpenAI's bounds for the two additive penalties and for a logit bias, and its cap on top logprobs.
 PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGPROBS = 20
 
 
@@ -26,7 +27,9 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 disable those filters. repetition_penalty scales
     the logits of tokens seen in the prompt or the output (transformers' rule); presence_penalty and
-    frequency_penalty subtract from the logits of tokens in the output (OpenAI's rule). min_tokens holds back
+    frequency_penalty subtract from the logits of tokens in the output (OpenAI's rule). logit_bias adds its
+    value (-100..100) to the logit of each token id it names, at every step (OpenAI's rule: -100 bans a
+    token, 100 all but forces it). min_tokens holds back
     the stop tokens (EOS and stop_token_ids) until that many tokens were generated. logprobs: how many of the
     most likely tokens' log-probabilities to return with each token (besides the sampled token's).
     prompt_logprobs: the same for each prompt token after the first (the log-probability the model gives it
@@ -48,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +60,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in self.logit_bias.items()})
         problems = []
         if not isinstance(self.n, int) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
@@ -87,6 +93,14 @@ class SamplingParams:
             problems.append("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not low <= bias <= high:
+                problems.append(
+                    f"logit_bias maps token ids (>= 0) to values in [{low:g}, {high:g}], "
+                    f"got {token}: {bias:g}"
+                )
+                break
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems) + ".")
 
@@ -156,8 +170,8 @@ def _column(rows: Sequence[SamplingRow], name: str) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """repetition_penalty (prompt and output tokens, transformers' rule), then presence and frequency
-    penalties (output tokens, OpenAI's rule), then min_tokens and the row's constraint; rows without them
-    are untouched."""
+    penalties (output tokens, OpenAI's rule), then logit_bias, then min_tokens and the row's constraint; rows
+    without them are untouched."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     repetition = _column(rows, "repetition_penalty")
@@ -171,6 +185,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         counts = _output_counts(rows, vocab)
         logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
     for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long)
+            logits[i].index_add_(0, ids, torch.tensor(list(row.params.logit_bias.values())))
         if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
             logits[i, torch.tensor(list(row.stop_ids), dtype=torch.long)] = float("-inf")
         allowed = row.constraint.allowed_tokens(vocab) if row.constraint is not None else None

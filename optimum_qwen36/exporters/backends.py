@@ -34,6 +34,7 @@ from ..ops.attention import (
     paged_attention_varlen_native,
     paged_attention_varlen_torch,
 )
+from ..ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native
 from ..ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -318,14 +319,16 @@ def _compile_graphs(
     native_bf16 = cpu_kernels and bf16_linear_vectorized()
     bf16_matmul = bf16_matmul_instructions()
     if cpu_kernels and load_native_ops():
-        # The chunked delta rule's scalar build is slower than the compiled PyTorch twin.
-        chunk_step = gdn_prefill_chunk_native if gdn_prefill_vectorized() else gdn_prefill_chunk_torch
+        # The chunked delta rule's scalar build is slower than the compiled PyTorch twin; packed prefill
+        # steps (whose conv is varlen) exist only with its vector build.
+        vectorized = gdn_prefill_vectorized()
         model.set_kernels(
             paged_attention_native,
             paged_attention_varlen_native,
             gdn_decode_step_native,
-            chunk_step,
+            gdn_prefill_chunk_native if vectorized else gdn_prefill_chunk_torch,
             gdn_verify_step_native,
+            causal_conv1d_varlen_native if vectorized else causal_conv1d_varlen,
         )
     try:
         extra = compile_regions(
@@ -342,6 +345,7 @@ def _compile_graphs(
             gdn_decode_step_torch,
             gdn_prefill_chunk_torch,
             gdn_verify_step_torch,
+            causal_conv1d_varlen,
         )
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)

@@ -39,7 +39,7 @@ from ..ops.attention import (
     paged_attention_torch,
     paged_attention_varlen_torch,
 )
-from ..ops.conv import causal_conv1d_varlen, varlen_conv_indices
+from ..ops.conv import VarlenConv, causal_conv1d_varlen, varlen_conv_indices
 from ..ops.gdn import (
     GDNChunk,
     GDNStep,
@@ -231,6 +231,7 @@ class Qwen36GatedDeltaNet(nn.Module):
         self.recurrent_step: GDNStep = gdn_decode_step_torch
         self.chunk_step: GDNChunk = gdn_prefill_chunk_torch
         self.verify_step: GDNVerify = gdn_verify_step_torch
+        self.varlen_conv: VarlenConv = causal_conv1d_varlen
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
@@ -314,7 +315,7 @@ class Qwen36GatedDeltaNet(nn.Module):
         conv states of their slots [S, ...]. Returns the output and the new conv state of each sequence at
         its end; the slots' recurrent states are updated in place."""
         mixed, z, beta, g = self._project(hidden)
-        mixed, new_conv_state = causal_conv1d_varlen(
+        mixed, new_conv_state = self.varlen_conv(
             mixed[0].t(),
             self.conv1d.weight.squeeze(1),
             conv_state,
@@ -468,17 +469,19 @@ class Qwen36ForCausalLM(nn.Module):
         recurrent_step: GDNStep,
         chunk_step: GDNChunk,
         verify_step: GDNVerify,
+        varlen_conv: VarlenConv,
     ) -> None:
         """Make every attention layer (the MTP layer's too) attend with `paged_attention` (packed prefill
         steps: `paged_attention_varlen`), and every GDN layer run its decode steps with `recurrent_step`, its
-        prefill chunks with `chunk_step` and its verify steps with `verify_step`."""
+        prefill chunks with `chunk_step`, its verify steps with `verify_step` and the conv of its packed
+        prefill steps with `varlen_conv`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
                 module.paged_attention = paged_attention
                 module.paged_attention_varlen = paged_attention_varlen
             elif isinstance(module, Qwen36GatedDeltaNet):
                 module.recurrent_step, module.chunk_step = recurrent_step, chunk_step
-                module.verify_step = verify_step
+                module.verify_step, module.varlen_conv = verify_step, varlen_conv
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:

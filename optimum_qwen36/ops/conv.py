@@ -8,12 +8,21 @@ those are recomputed, from taps gathered out of one small source of rows (the S 
 each, then the N tokens). Gathering every token's taps instead reads each value through an index the
 compiled graph checks one by one, several times slower. The indices depend only on where the sequences
 start and end, so a step computes them once for all its GDN layers (`varlen_conv_indices`).
+
+`causal_conv1d_varlen` is the PyTorch form, `causal_conv1d_varlen_native` the native CPU op
+(`optimum_qwen36::causal_conv1d_varlen`, csrc/causal_conv.cpp) with the same inputs and outputs, which reads
+each token once instead of materialising padded float32 copies of the step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+# (x, weight, conv_state, head_tokens, head_taps, conv_tail) -> (SiLU(conv) [N, D], new conv states)
+VarlenConv = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def varlen_conv_indices(
@@ -78,3 +87,19 @@ def causal_conv1d_varlen(
     out = torch.cat((out, out.new_zeros(1, channels))).index_put((head_tokens.reshape(-1),), head)[:tokens]
     new_state = source[conv_tail.reshape(-1)].reshape(*conv_tail.shape, channels).transpose(1, 2)
     return F.silu(out).to(x.dtype), new_state
+
+
+def causal_conv1d_varlen_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    head_tokens: torch.Tensor,
+    head_taps: torch.Tensor,
+    conv_tail: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d_varlen` as the native op (load it first: `ops.native.load_native_ops()`), where x and
+    conv_state share a dtype (the op's contract); else the PyTorch form."""
+    if x.dtype != conv_state.dtype:
+        return causal_conv1d_varlen(x, weight, conv_state, head_tokens, head_taps, conv_tail)
+    op = torch.ops.optimum_qwen36.causal_conv1d_varlen
+    return op(x, weight, conv_state, head_tokens, head_taps, conv_tail)

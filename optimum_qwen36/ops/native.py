@@ -22,12 +22,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("fp8_linear.cpp", "bf16_linear.cpp", "paged_attention.cpp", "gdn_decode.cpp", "gdn_prefill.cpp")
+KERNELS = (
+    "fp8_linear.cpp",
+    "bf16_linear.cpp",
+    "paged_attention.cpp",
+    "gdn_decode.cpp",
+    "gdn_prefill.cpp",
+    "causal_conv.cpp",
+)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (
     *SOURCES,
-    *(Path(__file__).parent / "csrc" / name for name in ("vec_math.h", "gdn_state.h", "denormals.h")),
+    *(Path(__file__).parent / "csrc" / h for h in ("vec_math.h", "gdn_state.h", "denormals.h", "amx.h")),
 )
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
@@ -194,6 +201,12 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("optimum_qwen36::gdn_prefill_chunk")
     def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale):
         return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("optimum_qwen36::causal_conv1d_varlen")
+    def _(x, weight, conv_state, head_tokens, head_taps, conv_tail):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+            conv_state, memory_format=torch.contiguous_format
+        )
 
     @torch.library.register_fake("optimum_qwen36::paged_attention")
     def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):

@@ -192,18 +192,29 @@ class OpenAIServer:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                logit_bias=self.logit_bias(body.logit_bias),
             )
         except ValueError as error:
             raise bad_request(str(error)) from error
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids (JSON object keys, so strings) to values added to their logits."""
+        if not bias:
+            return None
+        try:
+            ids = [int(key) for key in bias]
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {sorted(bias)[:8]}.", "logit_bias"
+            ) from None
+        return dict(zip(self.check_ids(ids, "logit_bias"), bias.values(), strict=True))
 
     def check_grammar_fields(self, body: SamplingFields) -> None:
         if body.min_tokens:
             # The grammar may allow only the end of the text while min_tokens forbids it.
             raise bad_request("min_tokens cannot combine with a grammar (response_format or a forced tool).")
 
-    def unsupported(self, body: SamplingFields) -> None:
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+    def check_stream_options(self, body: SamplingFields) -> None:
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true.", "stream_options")
 
@@ -559,7 +570,7 @@ def _completion_logprobs(
 async def _completions(server: OpenAIServer, body: CompletionRequest, request: Request) -> Response:
     model = server.ready()
     server.check_model(body.model)
-    server.unsupported(body)
+    server.check_stream_options(body)
     if body.suffix is not None:
         raise bad_request("suffix is not supported by this model.", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -716,7 +727,7 @@ def _delta_payload(delta: ChatDelta) -> dict[str, Any]:
 async def _chat(server: OpenAIServer, body: ChatCompletionRequest, request: Request) -> Response:
     model = server.ready()
     server.check_model(body.model)
-    server.unsupported(body)
+    server.check_stream_options(body)
     tools = check_tools(body.tools)
     choice_kind = body.tool_choice or ("auto" if tools else "none")
     forced_name = None

@@ -36,9 +36,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QWEN36_BF16_AVX512 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#ifdef QWEN36_AMX
 #define QWEN36_BF16_AMX 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -219,28 +218,8 @@ void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, 
 #endif
 
 #ifdef QWEN36_BF16_AMX
-constexpr int64_t kTileRows = 16;    // weight rows per tile (the tile unit's rows)
-constexpr int64_t kTileValues = 32;  // values per tile row (64 bytes of bf16)
-
-// The palette-1 tile configuration (Intel SDM, LDTILECFG): bytes per row and rows of each of the 8 tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands the tile data (XTILEDATA) to a process only once it asks (arch_prctl, kernel 5.16+); without
-// it the first tile instruction faults, so the dot products stay.
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return granted;
-}
+constexpr int64_t kTileRows = optimum_qwen36::amx::kRows;      // weight rows per tile
+constexpr int64_t kTileValues = optimum_qwen36::amx::kValues;  // values per tile row (64 bytes of bf16)
 
 // The tiles used (the intrinsics take literal tile numbers): the float32 accumulator, the weight, x.
 #define ACC_TILE 0
@@ -277,14 +256,14 @@ void stream_row_tiles(const bf16* x, const bf16* weight, int64_t N, int64_t M, i
     for (int64_t k = 0; k < K; ++k) x_pairs[size_t((k / 2) * N * 2 + n * 2 + k % 2)] = x[n * K + k];
   const int64_t tiles = M / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
+    optimum_qwen36::amx::TileConfig config;
     config.rows[ACC_TILE] = config.rows[WEIGHT_TILE] = config.rows[X_TILE] = kTileRows;
     config.colsb[ACC_TILE] = uint16_t(N * sizeof(float));
     config.colsb[WEIGHT_TILE] = uint16_t(kTileValues * sizeof(bf16));
     config.colsb[X_TILE] = uint16_t(N * 2 * sizeof(bf16));
     _tile_loadconfig(&config);
     weight_tiles_times_x(x_pairs.data(), weight, N, M, K, begin * kTileRows, end - begin, y);
-    _tile_release();
+    optimum_qwen36::amx::release();
   });
   for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
 }
@@ -351,7 +330,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   // so a row's result does not depend on the batch (short weight rows measured faster one at a time, at one
   // to three x rows).
 #ifdef QWEN36_BF16_AMX
-  if (N > 0 && K % kTileValues == 0 && M >= kTileRows && amx_granted()) {
+  if (N > 0 && K % kTileValues == 0 && M >= kTileRows && optimum_qwen36::amx::granted()) {
     stream_row_tiles(x_ptr, w_ptr, N, M, K, y.data_ptr<float>());
   } else if (K >= kBlockedMinFeatures) {
 #else

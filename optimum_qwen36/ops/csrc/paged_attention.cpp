@@ -33,6 +33,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define QWEN36_BF16_AVX512 1
+#include "amx.h"
 #endif
 
 namespace {
@@ -139,6 +140,71 @@ void product(int64_t rows, int64_t cols, const uint32_t* const* a, const uint32_
                                     ldb, pairs, c + r * ldc + col, ldc, accumulate);
 }
 
+#ifdef QWEN36_AMX
+// The same two products on AMX tiles, where the process may use them: 16 query rows x 32 columns (two float32
+// tiles) per tile product over 32 contracted values. A's rows are bf16 with a uniform stride (the queries
+// and P are copied into padded row-major buffers for that); B is the packed pairs the vector path reads.
+// Each float32 result is one row's dot product (the tile unit's own summation order), whatever the other
+// rows hold, so attention stays row-invariant.
+namespace amx = optimum_qwen36::amx;
+
+// c [R * 16 rows, 32 columns] (row stride ldc) (+)= a [R * 16 rows, steps * 32] (bf16, row stride lda) . b,
+// b's two 16-column tiles of contraction step s at b + s * b_step and b + s * b_step + 16 (row stride ldb,
+// uint32 pairs). Tiles: 0-3 the accumulators, 4-5 a, 6-7 b.
+template <int R>
+void tile_block(const bf16* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t b_step, int64_t steps, float* c,
+                int64_t ldc, bool accumulate) {
+  const int64_t a_bytes = lda * int64_t(sizeof(bf16)), b_bytes = ldb * 4, c_bytes = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, c, c_bytes);
+    _tile_loadd(1, c + 16, c_bytes);
+    if constexpr (R == 2) {
+      _tile_loadd(2, c + 16 * ldc, c_bytes);
+      _tile_loadd(3, c + 16 * ldc + 16, c_bytes);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (R == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * amx::kValues, a_bytes);
+    _tile_loadd(6, b + s * b_step, b_bytes);
+    _tile_loadd(7, b + s * b_step + 16, b_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R == 2) {
+      _tile_loadd(5, a + 16 * lda + s * amx::kValues, a_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, c_bytes);
+  _tile_stored(1, c + 16, c_bytes);
+  if constexpr (R == 2) {
+    _tile_stored(2, c + 16 * ldc, c_bytes);
+    _tile_stored(3, c + 16 * ldc + 16, c_bytes);
+  }
+}
+
+// c [rows, cols] (+)= a . b for rows a multiple of 16 and cols of 32: b's 32-column groups `group_stride`
+// apart, each contraction step of 32 values `b_step` further.
+void tile_product(int64_t rows, int64_t cols, const bf16* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                  int64_t group_stride, int64_t b_step, int64_t steps, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t col = 0; col < cols; col += 32) {
+    const uint32_t* group = b + (col / 32) * group_stride;
+    int64_t r = 0;
+    for (; r + 32 <= rows; r += 32)
+      tile_block<2>(a + r * lda, lda, group, ldb, b_step, steps, c + r * ldc + col, ldc, accumulate);
+    for (; r < rows; r += 16)
+      tile_block<1>(a + r * lda, lda, group, ldb, b_step, steps, c + r * ldc + col, ldc, accumulate);
+  }
+}
+#endif
+
 inline uint32_t bf16_bits(const bf16& x) { return x.x; }
 
 struct PackedKV {
@@ -171,8 +237,10 @@ struct Block {  // one work item: segment seg, KV head kh, flat query tokens [t0
 };
 
 void attend_block(const Block& blk, const bf16* query, const int64_t* positions, const PackedKV& kv, int64_t n,
-                  int64_t heads, int64_t group, int64_t dim, float scale, bf16* out) {
+                  int64_t heads, int64_t group, int64_t dim, float scale, bool tiles, bf16* out) {
   const int64_t rows = blk.tokens * group, pairs = dim / 2;
+  // With tiles, the buffers have whole tiles of rows (padding rows stay zero).
+  const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;
   std::vector<const uint32_t*> q_rows(rows), p_rows(rows);
   std::vector<int64_t> limit(rows);  // keys row r sees: [0, limit)
   int64_t last = 0;
@@ -182,14 +250,23 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
     limit[r] = std::clamp<int64_t>(positions[t] + 1, 1, n);
     last = std::max(last, limit[r]);
   }
-  std::vector<float> scores(rows * kKeyBlock), acc(rows * dim, 0.0f), row_max(rows, -INFINITY), row_sum(rows, 0.0f);
-  std::vector<bf16> probs(rows * kKeyBlock);
+  std::vector<float> scores(padded * kKeyBlock), acc(padded * dim, 0.0f), row_max(rows, -INFINITY),
+      row_sum(rows, 0.0f);
+  std::vector<bf16> probs(padded * kKeyBlock), q_tiles(tiles ? padded * dim : 0);
   for (int64_t r = 0; r < rows; ++r) p_rows[r] = reinterpret_cast<const uint32_t*>(probs.data() + r * kKeyBlock);
+  for (int64_t r = 0; tiles && r < rows; ++r)
+    std::memcpy(q_tiles.data() + r * dim, q_rows[r], size_t(dim) * sizeof(bf16));
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
     const int64_t cols = std::min<int64_t>(kKeyBlock, (last - j0 + kKeyTile - 1) / kKeyTile * kKeyTile);
-    product(rows, cols, q_rows.data(), kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile, pairs,
-            scores.data(), kKeyBlock, false);
+#ifdef QWEN36_AMX
+    if (tiles)
+      tile_product(padded, cols, q_tiles.data(), dim, kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile,
+                   16 * kKeyTile, dim / 32, scores.data(), kKeyBlock, false);
+    else
+#endif
+      product(rows, cols, q_rows.data(), kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile, pairs,
+              scores.data(), kKeyBlock, false);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * kKeyBlock;
       const int64_t visible = std::clamp<int64_t>(limit[r] - j0, 0, cols);
@@ -230,7 +307,14 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
       }
     }
     // acc += P V over this block's keys (pairs of keys): values packed [n_pad / 2][D]
-    product(rows, dim, p_rows.data(), kv.values.data() + (j0 / 2) * dim, dim, 32, cols / 2, acc.data(), dim, true);
+#ifdef QWEN36_AMX
+    if (tiles)
+      tile_product(padded, dim, probs.data(), kKeyBlock, kv.values.data() + (j0 / 2) * dim, dim, 32, 16 * dim,
+                   cols / 32, acc.data(), dim, true);
+    else
+#endif
+      product(rows, dim, p_rows.data(), kv.values.data() + (j0 / 2) * dim, dim, 32, cols / 2, acc.data(), dim,
+              true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
@@ -273,16 +357,28 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
   at::Tensor out = at::zeros_like(q);
   auto* out_ptr = reinterpret_cast<bf16*>(out.data_ptr());
   const auto* q_ptr = reinterpret_cast<const bf16*>(q.data_ptr());
+  // Tiles take the head size in steps of 32 values (the vector path's condition too) and 32 output columns.
+#ifdef QWEN36_AMX
+  const bool tiles = dim % 32 == 0 && optimum_qwen36::amx::granted();
+#else
+  const bool tiles = false;
+#endif
   // Round-robin over threads: causal blocks grow with t0, so contiguous ranges would be unbalanced.
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), int64_t(blocks.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     const optimum_qwen36::FlushDenormals flush_denormals;
+#ifdef QWEN36_AMX
+    if (tiles) optimum_qwen36::amx::configure_full_tiles();
+#endif
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t i = thread; i < blocks.size(); i += threads) {
         const Block& blk = blocks[i];
         attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), packed[blk.seg * kv_heads + blk.kh], segments[blk.seg].keys,
-                     heads, group, dim, float(scale), out_ptr);
+                     heads, group, dim, float(scale), tiles, out_ptr);
       }
+#ifdef QWEN36_AMX
+    if (tiles) optimum_qwen36::amx::release();
+#endif
   });
   return out;
 }

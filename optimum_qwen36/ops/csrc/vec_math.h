@@ -40,6 +40,12 @@ inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+// a where v >= 0, else b, per lane.
+inline Vec select_nonnegative(Vec v, Vec a, Vec b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, zero(), _CMP_GE_OQ), b, a);
+}
 inline Vec round_nearest(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // p 2^n for an integral n in [-126, 0].
 inline Vec times_power_of_2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }
@@ -66,6 +72,11 @@ inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec select_nonnegative(Vec v, Vec a, Vec b) {
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(v, zero(), _CMP_GE_OQ));
+}
 inline Vec round_nearest(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec times_power_of_2(Vec p, Vec n) {  // 2^n built in the exponent bits: n >= -126 is a normal number
   const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
