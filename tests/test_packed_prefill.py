@@ -181,6 +181,9 @@ def test_native_packed_conv_equals_the_pytorch_form(dtype: torch.dtype) -> None:
     alone_indices = varlen_conv_indices(torch.tensor([0, lengths[-1]]), width)
     alone, _ = causal_conv1d_varlen_native(x[last:], weight, states[-1:], *alone_indices)
     assert torch.equal(alone, out[last:])
+    head_tokens, head_taps, conv_tail = indices
+    with pytest.raises(RuntimeError, match="head_taps"):  # a short index is refused, never read past
+        causal_conv1d_varlen_native(x, weight, states, head_tokens, head_taps[:, :1], conv_tail)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

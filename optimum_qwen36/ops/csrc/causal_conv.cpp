@@ -156,6 +156,7 @@ void conv_varlen(const T* x, const float* w, const T* conv_state, const int64_t*
       conv_row(rows.data(), w, width, channels, scratch.data(), out + t * channels);
     }
   });
+  const optimum_qwen36::FlushDenormals flush_denormals;  // as in the workers above
   // The first W - 1 tokens of each sequence, again from their own taps (conv state rows where they reach
   // back past the sequence's start), and each sequence's new conv state.
   std::vector<float> source_rows(width * channels), acc(channels), state_row(channels);
@@ -198,8 +199,8 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_varlen(const at::Tensor& x, con
   TORCH_CHECK(x.scalar_type() == conv_state.scalar_type(),
               "causal_conv1d_varlen: x and conv_state must have the same dtype");
   const std::vector<int64_t> index_shape{sequences, width - 1};
-  TORCH_CHECK(head_tokens.sizes() == index_shape && conv_tail.sizes() == index_shape &&
-                  head_taps.dim() == 3 && head_taps.size(2) == width,
+  TORCH_CHECK(head_tokens.sizes() == index_shape && conv_tail.sizes() == index_shape && head_taps.dim() == 3 &&
+                  head_taps.size(0) == sequences && head_taps.size(1) == width - 1 && head_taps.size(2) == width,
               "causal_conv1d_varlen: head_tokens / conv_tail [S, W - 1] and head_taps [S, W - 1, W] expected");
   const at::Tensor xc = x.contiguous(), state = conv_state.contiguous();
   const at::Tensor w = weight.to(at::kFloat).t().contiguous();  // [W, D]: one row per tap
