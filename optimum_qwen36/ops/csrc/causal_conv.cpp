@@ -50,28 +50,13 @@ void silu(float* x, int64_t n) {
 }
 
 template <typename T>
-void to_float(const T* src, int64_t n, float* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = float(src[d]);
-}
-
-template <typename T>
 void from_float(const float* src, int64_t n, T* dst) {
   for (int64_t d = 0; d < n; ++d) dst[d] = T(src[d]);
 }
 
 #if defined(__AVX512F__)
-// bf16 <-> float32 16 values at a time (the scalar loops above do not vectorise); rounding to nearest even
+// float32 -> bf16 16 values at a time (the scalar loop above does not vectorise): rounding to nearest even
 // with NaN kept a quiet NaN, as c10::BFloat16 rounds.
-template <>
-void to_float(const c10::BFloat16* src, int64_t n, float* dst) {
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-  }
-  for (; d < n; ++d) dst[d] = float(src[d]);
-}
-
 template <>
 void from_float(const float* src, int64_t n, c10::BFloat16* dst) {
   int64_t d = 0;
@@ -86,26 +71,6 @@ void from_float(const float* src, int64_t n, c10::BFloat16* dst) {
   for (; d < n; ++d) dst[d] = c10::BFloat16(src[d]);
 }
 #endif
-
-// acc[d] = sum over taps of rows[tap][d] * w[tap][d], in tap order (rows[tap] null: a zero tap).
-void taps_product(const float* const* rows, const float* w, int64_t width, int64_t channels, float* acc) {
-  int64_t d = 0;
-#ifdef QWEN36_F32_VECTOR
-  namespace f32 = optimum_qwen36::f32;
-  for (; d + f32::kLanes <= channels; d += f32::kLanes) {
-    f32::Vec sum = f32::zero();
-    for (int64_t tap = 0; tap < width; ++tap)
-      if (rows[tap] != nullptr) sum = f32::fmadd(f32::load(rows[tap] + d), f32::load(w + tap * channels + d), sum);
-    f32::store(acc + d, sum);
-  }
-#endif
-  for (; d < channels; ++d) {
-    float sum = 0.0f;
-    for (int64_t tap = 0; tap < width; ++tap)
-      if (rows[tap] != nullptr) sum += rows[tap][d] * w[tap * channels + d];
-    acc[d] = sum;
-  }
-}
 
 // One token's output row from its taps (rows[tap]: x rows, null where the tap is before the first token):
 // the taps' products summed, SiLU, rounded to T; 16 channels at a time, nothing stored in between.
@@ -158,33 +123,29 @@ void conv_varlen(const T* x, const float* w, const T* conv_state, const int64_t*
   });
   const optimum_qwen36::FlushDenormals flush_denormals;  // as in the workers above
   // The first W - 1 tokens of each sequence, again from their own taps (conv state rows where they reach
-  // back past the sequence's start), and each sequence's new conv state.
-  std::vector<float> source_rows(width * channels), acc(channels), state_row(channels);
-  std::vector<const float*> rows(width);
-  const auto load_source = [&](int64_t r, float* dst) {
-    if (r < state_rows) {
-      const T* state = conv_state + (r / history) * channels * history + r % history;
-      for (int64_t d = 0; d < channels; ++d) dst[d] = float(state[d * history]);
-    } else {
-      to_float(x + (r - state_rows) * channels, channels, dst);
-    }
+  // back past the sequence's start), and each sequence's new conv state. A token source row is x's own; a
+  // state row (strided in conv_state) is gathered into `buffer`.
+  std::vector<T> gathered(width * channels);
+  std::vector<float> scratch(channels);
+  std::vector<const T*> rows(width);
+  const auto source_row = [&](int64_t r, T* buffer) -> const T* {
+    if (r >= state_rows) return x + (r - state_rows) * channels;
+    const T* state = conv_state + (r / history) * channels * history + r % history;
+    for (int64_t d = 0; d < channels; ++d) buffer[d] = state[d * history];
+    return buffer;
   };
   for (int64_t i = 0; i < sequences * history; ++i) {
     const int64_t token = head_tokens[i];
     if (token < 0 || token >= tokens) continue;
-    for (int64_t tap = 0; tap < width; ++tap) {
-      load_source(head_taps[i * width + tap], source_rows.data() + tap * channels);
-      rows[tap] = source_rows.data() + tap * channels;
-    }
-    taps_product(rows.data(), w, width, channels, acc.data());
-    silu(acc.data(), channels);
-    from_float(acc.data(), channels, out + token * channels);
+    for (int64_t tap = 0; tap < width; ++tap)
+      rows[tap] = source_row(head_taps[i * width + tap], gathered.data() + tap * channels);
+    conv_row(rows.data(), w, width, channels, scratch.data(), out + token * channels);
   }
   for (int64_t s = 0; s < sequences; ++s)
     for (int64_t j = 0; j < history; ++j) {
-      load_source(conv_tail[s * history + j], state_row.data());
+      const T* row = source_row(conv_tail[s * history + j], gathered.data());
       T* dst = new_state + s * channels * history + j;
-      for (int64_t d = 0; d < channels; ++d) dst[d * history] = T(state_row[d]);
+      for (int64_t d = 0; d < channels; ++d) dst[d * history] = row[d];
     }
 }
 
