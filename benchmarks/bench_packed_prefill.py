@@ -3,10 +3,10 @@ prefill call (`ModelRunner.prefill_packed`) or each in its own call (`ModelRunne
 tokens at the same positions in the same slots, alternated round by round.
 
 Cases: `--sequences` chunks of `--tokens` tokens each (default 4 x 64, 2 x 128, 8 x 32: what a step holds
-when short prompts arrive together or a warm prefix-cache request's suffix is short). Also timed, for why a
-step's decode rows run in their own decode call rather than in the packed prefill: one decode call of
-`--batch-size` rows, and ATen's bf16 matrix product over the model's projection shapes at `--chunk` rows and
-at `--chunk` + `--batch-size` rows (decode rows riding along with a whole chunk).
+when short prompts arrive together or a warm prefix-cache request's suffix is short). Also timed, for what
+a step's decode rows cost in their own decode call against riding in the packed prefill (the engine's
+choice where the backend takes them): one decode call of `--batch-size` rows, and ATen's bf16 matrix
+product over the model's projection shapes at `--chunk` rows and at `--chunk` + `--batch-size` rows.
 
 Default model: bench_generate.py's random 0.75B model (24 layers) in bfloat16, as bench_engine.py exports it.
 

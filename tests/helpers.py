@@ -45,6 +45,7 @@ class CountingBackend:
         self.decodes_any_batch = backend.decodes_any_batch
         self.min_step_rows = backend.min_step_rows
         self.packs_prefill = backend.packs_prefill
+        self.decodes_in_prefill = backend.decodes_in_prefill
         self.prefill_tokens = 0
         self.decode_steps = 0
 

@@ -75,10 +75,46 @@ def assert_packed_equals_one_per_call(model, atol: float) -> None:
         torch.testing.assert_close(getattr(packed, state), getattr(alone, state), atol=atol, rtol=0)
 
 
+def assert_decode_rows_ride_along(model, atol: float) -> None:
+    """A whole chunk in slot 0 and a decode row (one token after a 5-token prompt) in every other slot, more
+    tokens than a chunk in one packed call: logits, KV entries and every slot's GDN states agree within
+    `atol` with a prefill call for the chunk and a decode step for the rows."""
+    chunk, batch = model.neuron_config.prefill_chunk_size, model.neuron_config.batch_size
+    long = _prompt(chunk, 1)
+    prompts = {slot: _prompt(5, 10 + slot) for slot in range(1, batch)}
+    fed = {slot: _prompt(1, 20 + slot) for slot in range(1, batch)}
+    results = []
+    for packed in (True, False):
+        runner = _runner(model)
+        tables = runner.cache.block_tables
+        for slot, prompt in prompts.items():
+            runner.prefill(prompt, 0, slot, tables[slot])
+        decode_rows = [PackedChunk(fed[slot], 5, slot, tables[slot]) for slot in prompts]
+        if packed:
+            assert chunk + len(decode_rows) <= runner.max_packed_tokens
+            logits = runner.prefill_packed([PackedChunk(long, 0, 0, tables[0]), *decode_rows])
+        else:
+            slots = torch.tensor(list(prompts))
+            tokens = torch.tensor([fed[slot][0] for slot in prompts])
+            decoded = runner.decode(tokens, torch.full((batch - 1,), 5), slots, tables[slots])
+            logits = torch.cat([runner.prefill(long, 0, 0, tables[0]), decoded])
+        results.append((logits, runner.cache))
+    (packed_logits, packed), (logits, alone) = results
+    torch.testing.assert_close(packed_logits, logits, atol=atol, rtol=0)
+    # Not the null block nor the scratch slot: padding rows write there, and nobody reads them.
+    blocks, slots = slice(1, None), slice(0, batch)
+    for name, used in (("key_cache", blocks), ("value_cache", blocks), ("conv_state", slots)):
+        got, want = getattr(packed, name)[:, used], getattr(alone, name)[:, used]
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    got, want = packed.recurrent_state[:, slots], alone.recurrent_state[:, slots]
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
 def test_packed_prefill_equals_one_call_per_chunk_eager(tiny_checkpoint) -> None:
     checkpoint, _ = tiny_checkpoint(seed=3)
     model = export_eager(checkpoint, batch_size=4, sequence_length=128, prefill_chunk_size=32)
     assert_packed_equals_one_per_call(model, atol=1e-5)
+    assert_decode_rows_ride_along(model, atol=1e-5)
 
 
 def test_packed_prefill_refuses_what_one_call_cannot_hold(tiny_checkpoint) -> None:
@@ -86,8 +122,9 @@ def test_packed_prefill_refuses_what_one_call_cannot_hold(tiny_checkpoint) -> No
     model = export_eager(checkpoint, batch_size=2, sequence_length=128, prefill_chunk_size=16)
     runner = _runner(model)
     table = runner.cache.block_tables[0]
-    too_many = [PackedChunk(_prompt(10, 1), 0, 0, table), PackedChunk(_prompt(7, 2), 0, 1, table)]
-    with pytest.raises(ValueError, match=r"1\.\.16 tokens in non-empty chunks"):
+    # A chunk of 16 tokens and one per batch row (decode rows riding along): 18 at most.
+    too_many = [PackedChunk(_prompt(10, 1), 0, 0, table), PackedChunk(_prompt(9, 2), 0, 1, table)]
+    with pytest.raises(ValueError, match=r"1\.\.18 tokens in non-empty chunks"):
         runner.prefill_packed(too_many)
     with pytest.raises(ValueError, match="non-empty"):
         runner.prefill_packed([PackedChunk([], 0, 0, table)])
@@ -118,10 +155,10 @@ def test_engine_packs_the_chunks_of_a_step_and_keeps_each_requests_tokens(tiny_c
     assert_each_as_alone(model, together, ids, prompts, params)
 
 
-def test_a_mixed_step_is_one_decode_call_and_one_packed_prefill(tiny_checkpoint) -> None:
-    """A step with decoding requests and a newly admitted prompt: one decode call over the decoding rows
-    (which then compute exactly as in a decode-only step), one prefill call for the chunk; every request gets
-    its solo run's greedy tokens, its log-probabilities within 1e-5."""
+def test_a_mixed_step_is_one_packed_prefill_call_holding_the_decode_rows(tiny_checkpoint) -> None:
+    """A step with decoding requests and a newly admitted prompt: one prefill call for the chunk and the
+    decoding rows (one-token sequences); steps without a prefill chunk decode alone. Every request gets its
+    solo run's greedy tokens, its log-probabilities within 1e-5."""
     checkpoint, _ = tiny_checkpoint(seed=6)
     model = export_eager(checkpoint, batch_size=3, sequence_length=128, prefill_chunk_size=32)
     backend = model.backend
@@ -148,7 +185,9 @@ def test_a_mixed_step_is_one_decode_call_and_one_packed_prefill(tiny_checkpoint)
         late = engine.add_request(prompts[2], params)  # 40 tokens: chunks of 32 and 8
         engine.step()
         engine.step()
-        assert calls == [("decode", 2), ("prefill", 1), ("decode", 2), ("prefill", 1)], calls
+        assert calls == [("prefill", 3), ("prefill", 3)], calls
+        engine.step()
+        assert calls[2:] == [("decode", 3)], calls
         together = engine.run()
     finally:
         del backend.prefill_chunk, backend.decode_step

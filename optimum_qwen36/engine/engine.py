@@ -3,11 +3,11 @@
 `add_request` queues a prompt; `step` asks the scheduler for a plan (one token for every decoding request,
 prefill chunks for the rest of the token budget), runs it, samples every request that has new logits in one
 vectorised pass, and returns what each request produced. `abort` frees a request's slot and blocks at once.
-A step is one decode call over the decoding requests' slots, then its prefill chunks: packed into as few
-calls as the compiled chunk allows where the backend packs sequences (one pass over the weights for
-several requests' chunks), else one call per chunk. Decode rows stay in the decode call, whose linear layers
-stream the weights faster than the prefill graph's matrix products, and which computes a row the same way
-whatever else is running (docs/ARCHITECTURE.md says why they do not ride along with the prefill).
+Where the backend packs sequences, a step's prefill chunks are packed into as few calls as the compiled
+chunk allows (one pass over the weights for several requests' chunks), and where it takes
+`decodes_in_prefill` the decode rows ride in the first of them as one-token sequences: a step with a
+prefill chunk is one call. A step without one is a decode call over the decoding requests' slots. Other
+backends run a decode call, then one call per chunk. (docs/ARCHITECTURE.md: what riding costs in rounding.)
 
 With MTP speculative decoding (a model exported with `num_speculative_tokens` k), each decoding request
 verifies its drafts in the step: one verify call feeds every decoding request its last token and up to k
@@ -298,13 +298,14 @@ class Engine:
         verified: VerifyStep | None = None
         rows: list[Request] = []
         logits: list[torch.Tensor] = []
+        packable = [c for c in plan.prefills if self._packable(c)]
+        riding = self._riding_decodes(plan) if packable else []
         if plan.decodes and self.drafter is not None:
             verified, verified_kept = self._verify(plan)
             kept += verified_kept
-        elif plan.decodes:
+        elif plan.decodes and not riding:
             logits.append(self._decode(plan.decodes))
             rows += plan.decodes
-        packable = [c for c in plan.prefills if self._packable(c)]
         chunk_hidden: list[tuple[PrefillChunk, torch.Tensor]] = []
         for chunk in (c for c in plan.prefills if not self._packable(c)):
             chunk_logits, hidden = self._prefill(chunk)
@@ -313,7 +314,7 @@ class Engine:
             if chunk.completes:
                 logits.append(chunk_logits)
                 rows.append(chunk.request)
-        for pack in self._packs(packable):
+        for pack in self._packs(riding + packable):
             pack_logits = self._prefill_packed(pack)
             for i, chunk in enumerate(pack):
                 if chunk.completes:
@@ -395,12 +396,20 @@ class Engine:
             and not chunk.request.needs_prompt_logprobs
         )
 
+    def _riding_decodes(self, plan: StepPlan) -> list[PrefillChunk]:
+        """The plan's decode rows as one-token chunks of the step's packed prefill call, where the backend
+        takes them there (`decodes_in_prefill`): one pass over the weights for the whole step instead of a
+        decode call and a prefill call. None with MTP drafts to verify."""
+        if self.drafter is not None or not self.runner.backend.decodes_in_prefill:
+            return []
+        return [PrefillChunk(request, request.num_computed, 1) for request in plan.decodes]
+
     def _packs(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """The chunks in calls of at most one compiled chunk of tokens each, in plan order."""
+        """The chunks in calls of at most `max_packed_tokens` each, in plan order."""
         packs: list[list[PrefillChunk]] = []
         size = 0
         for chunk in chunks:
-            if not packs or size + chunk.num_tokens > self.prefill_chunk_size:
+            if not packs or size + chunk.num_tokens > self.runner.max_packed_tokens:
                 packs.append([])
                 size = 0
             packs[-1].append(chunk)

@@ -3,7 +3,9 @@ it is a client of the engine), so the step arguments are built in one place.
 
 - `prefill`: a chunk of one sequence, right-padded to the compiled chunk, in the sequence's GDN slot.
 - `prefill_packed`: chunks of several sequences in one call (backends that `packs_prefill`), at most one
-  compiled chunk of tokens in all, each in its own slot: one pass over the weights for all of them.
+  compiled chunk of tokens in all (and one token per batch row more where the backend takes
+  `decodes_in_prefill`: decode rows are one-token chunks), each in its own slot: one pass over the weights
+  for all of them.
 - `decode`: one token for each of some slots; a backend with a static batch (or fewer rows than its
   `min_step_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
   null block, and their logits are dropped. `verify` and `draft` are padded the same way.
@@ -39,6 +41,8 @@ class ModelRunner:
         self.backend = backend
         self.cache = cache
         self.prefill_chunk_size = prefill_chunk_size
+        # The most tokens one packed prefill call takes.
+        self.max_packed_tokens = prefill_chunk_size + (cache.batch_size if backend.decodes_in_prefill else 0)
 
     def prefill(
         self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
@@ -48,15 +52,15 @@ class ModelRunner:
         return self.backend.prefill_chunk(*self._prefill_args(tokens, start, slot, block_table))
 
     def prefill_packed(self, chunks: Sequence[PackedChunk]) -> torch.Tensor:
-        """Compute several sequences' chunks (distinct slots, at most one compiled chunk of tokens in all) in
-        one call; returns the logits after each one's last token, [len(chunks), vocab]."""
+        """Compute several sequences' chunks (distinct slots, at most `max_packed_tokens` in all) in one
+        call; returns the logits after each one's last token, [len(chunks), vocab]."""
         if not self.backend.packs_prefill:
             raise ValueError(f"the {self.backend.name} backend prefills one sequence per call")
         tokens = [torch.as_tensor(chunk.tokens, dtype=torch.long) for chunk in chunks]
         total = sum(len(t) for t in tokens)
-        if not 0 < total <= self.prefill_chunk_size or any(len(t) == 0 for t in tokens):
+        if not 0 < total <= self.max_packed_tokens or any(len(t) == 0 for t in tokens):
             raise ValueError(
-                f"a packed prefill holds 1..{self.prefill_chunk_size} tokens in non-empty chunks, got "
+                f"a packed prefill holds 1..{self.max_packed_tokens} tokens in non-empty chunks, got "
                 f"{[len(t) for t in tokens]}"
             )
         return self.backend.prefill_chunk(

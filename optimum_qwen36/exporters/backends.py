@@ -140,6 +140,7 @@ class AOTIBackend:
                 "the model with from_pretrained(..., export=True)."
             )
         self.packs_prefill = shapes.any_prefill_tokens
+        self.decodes_in_prefill = shapes.decode_rows_in_prefill
         # A batch above one row runs every row in the batched steps: fewer rows are padded.
         self.min_step_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
         speculative_steps = SPECULATIVE_ROW_STEPS if self.min_step_rows == 1 else SPECULATIVE_BATCHED_STEPS
@@ -249,7 +250,8 @@ class AOTIBackend:
             staging = Path(tempfile.mkdtemp(prefix="optimum-qwen36-compile-"))
             try:
                 cpu_kernels = uses_cpu_kernels(backend)
-                shapes = StepShapes(any_prefill_tokens=prefill_takes_any_tokens(model, cpu_kernels))
+                packs = prefill_takes_any_tokens(model, cpu_kernels)
+                shapes = StepShapes(any_prefill_tokens=packs, decode_rows_in_prefill=packs)
                 examples = example_step_args(
                     neuron_config, make_cache(device), model.config.hidden_size, shapes.any_prefill_tokens
                 )

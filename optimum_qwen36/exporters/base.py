@@ -15,7 +15,9 @@ from ..neuron_config import Qwen36NeuronConfig
 
 class StepBackend(Protocol):
     """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results).
-    `packs_prefill`: whether prefill_chunk takes several sequences packed in one call (else one)."""
+    `packs_prefill`: whether prefill_chunk takes several sequences packed in one call (else one);
+    `decodes_in_prefill`: whether such a call also takes up to batch tokens beyond a chunk, so a step's
+    decode rows (one-token sequences) ride along in it."""
 
     name: str
     # Where the cache tensors must live (the steps update them in place there).
@@ -26,6 +28,7 @@ class StepBackend(Protocol):
     decodes_any_batch: bool
     min_step_rows: int
     packs_prefill: bool
+    decodes_in_prefill: bool
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
 
@@ -118,6 +121,7 @@ class EagerBackend:
     decodes_any_batch = True
     min_step_rows = 1
     packs_prefill = True
+    decodes_in_prefill = True
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model

@@ -158,6 +158,7 @@ class NeuronBackend:
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
     packs_prefill = False  # static shapes: one sequence's chunk per prefill call
+    decodes_in_prefill = False
 
     def __init__(
         self,

@@ -86,9 +86,11 @@ BATCHED_STEPS = ("decode_step", "verify_step", "mtp_step")
 class StepShapes:
     """What the graphs take beyond their example shapes. `any_prefill_tokens`: the prefill graphs take
     2..chunk tokens of 2..batch + 1 sequences packed one after the other (`_dims`; a caller with one
-    sequence adds an empty one, `base.packed_prefill_args`)."""
+    sequence adds an empty one, `base.packed_prefill_args`). `decode_rows_in_prefill`: and up to batch
+    tokens more, so a step's decode rows (one-token sequences) ride along beside a whole chunk."""
 
     any_prefill_tokens: bool = False
+    decode_rows_in_prefill: bool = False
 
 
 def head_step(step: str, shapes: StepShapes) -> str:
@@ -324,8 +326,9 @@ def _dims(
       in use (`blocks_in_use`), not the whole compiled sequence_length;
     - the batched steps' batch, 2..max_rows rows (`base.MIN_BATCH_ROWS`), so only the active rows are
       computed;
-    - with `shapes.any_prefill_tokens`, a packed prefill's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`), so
-      a chunk computes its valid tokens only (`blocks_in_use`), and its
+    - with `shapes.any_prefill_tokens`, a packed prefill's tokens, 2..chunk (`base.MIN_PREFILL_TOKENS`;
+      2..chunk + max_rows with `shapes.decode_rows_in_prefill`), so a chunk computes its valid tokens only
+      (`blocks_in_use`), and its
       sequences, 2..max_rows + 1 (every running request and an empty one: `base.packed_prefill_args`); and
       the MTP step's tokens.
     No dynamic dimension starts at 1: Inductor compiles a dynamic size for 2 and up (a size of 1 would be
@@ -338,10 +341,10 @@ def _dims(
     batched = step in BATCHED_STEPS and max_rows > MIN_BATCH_ROWS
     batch = torch.export.Dim("batch", min=MIN_BATCH_ROWS, max=max_rows) if batched else None
     # The MTP step runs a prefill chunk's positions, a verify step's, or (padded) one per row.
-    many_tokens = step in MTP_STEPS or (step == "prefill_chunk" and shapes.any_prefill_tokens)
-    tokens = (
-        torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=inputs.cos.shape[1]) if many_tokens else None
-    )
+    packed = step == "prefill_chunk" and shapes.any_prefill_tokens
+    many_tokens = step in MTP_STEPS or packed
+    max_tokens = inputs.cos.shape[1] + (max_rows if packed and shapes.decode_rows_in_prefill else 0)
+    tokens = torch.export.Dim("tokens", min=MIN_PREFILL_TOKENS, max=max_tokens) if many_tokens else None
     rows = _dynamic({0: batch, 1: tokens})
     dims = {
         "hidden": rows,
@@ -357,7 +360,7 @@ def _dims(
         "value_cache": {1: blocks},
         "slots": _dynamic({0: batch}),
     }
-    if step == "prefill_chunk" and shapes.any_prefill_tokens:  # per sequence instead of per row
+    if packed:  # per sequence instead of per row
         many = max_rows + 1 > MIN_PACKED_SEQUENCES
         sequences = None
         if many:
