@@ -70,7 +70,6 @@ class Engine:
         self.runner = ModelRunner(backend, cache, prefill_chunk_size)
         self.cache = cache
         self.prefix_cache = prefix_cache
-        self.prefill_chunk_size = prefill_chunk_size
         self.max_num_seqs = cache.batch_size
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
@@ -399,8 +398,8 @@ class Engine:
     def _riding_decodes(self, plan: StepPlan) -> list[PrefillChunk]:
         """The plan's decode rows as one-token chunks of the step's packed prefill call, where the backend
         takes them there (`decodes_in_prefill`): one pass over the weights for the whole step instead of a
-        decode call and a prefill call. None with MTP drafts to verify."""
-        if self.drafter is not None or not self.runner.backend.decodes_in_prefill:
+        decode call and a prefill call. (A step packs chunks only without MTP drafts: `_packable`.)"""
+        if not self.runner.backend.decodes_in_prefill:
             return []
         return [PrefillChunk(request, request.num_computed, 1) for request in plan.decodes]
 
