@@ -46,12 +46,15 @@ class CountingBackend:
         self.min_step_rows = backend.min_step_rows
         self.packs_prefill = backend.packs_prefill
         self.decodes_in_prefill = backend.decodes_in_prefill
+        self.prefill_snapshots = backend.prefill_snapshots
         self.prefill_tokens = 0
+        self.prefill_calls = 0
         self.decode_steps = 0
 
-    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
+    def prefill_chunk(self, *args: torch.Tensor, **snapshots: torch.Tensor | None) -> torch.Tensor:
         self.prefill_tokens += int(args[2].sum())
-        return self.backend.prefill_chunk(*args)
+        self.prefill_calls += 1
+        return self.backend.prefill_chunk(*args, **snapshots)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         self.decode_steps += 1

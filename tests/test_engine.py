@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import save_tiny_checkpoint
-from helpers import export_eager
+from helpers import CountingBackend, export_eager
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -288,6 +288,37 @@ def test_a_reusable_prefix_is_checkpointed_where_the_next_turn_branches_off(cold
         done = engine.run()[request_id]
         assert done.cached_prompt_tokens == hit, (first, reusable_prefix)
         assert done.output_ids == solo(cold, follow_up, params).output_ids
+
+
+@pytest.mark.parametrize("snapshots", [2, 1, 0])
+def test_a_chunk_runs_past_the_checkpoints_its_call_snapshots(checkpoint, cold, snapshots: int) -> None:
+    """A 200-token prompt whose history is its first 190 tokens wants checkpoints at 128 (the history) and
+    192 (its end), inside one 256-token chunk: with the packed call snapshotting 2, 1 or 0 states it runs in
+    1, 2 or 3 prefill calls, and stores both checkpoints. A follow-up of the history hits 128 and a repeat
+    hits 192, with the cold run's greedy tokens and log-probabilities (within 1e-5)."""
+    model = export_eager(
+        checkpoint[0], prefix_caching=True, batch_size=2, sequence_length=512, prefill_chunk_size=256
+    )
+    engine = model.create_engine()
+    assert engine.scheduler.prefill_snapshots == 2
+    engine.scheduler.prefill_snapshots = snapshots
+    backend = engine.runner.backend = CountingBackend(engine.runner.backend)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=0)
+    history = tokens(190, 61)
+    prompt = history + tokens(10, 62)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), reusable_prefix=190)
+    engine.run()
+    assert backend.prefill_calls == 3 - snapshots
+    assert engine.prefix_cache.stats()["checkpoints_stored"] == 2
+    for again, hit in ((history + tokens(40, 63), 128), (prompt, 192)):
+        request_id = engine.add_request(again, params)
+        warm = engine.run()[request_id]
+        assert warm.cached_prompt_tokens == hit
+        expected = solo(cold, again, params)
+        assert warm.output_ids == expected.output_ids
+        torch.testing.assert_close(
+            torch.tensor(warm.output_logprobs), torch.tensor(expected.output_logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:

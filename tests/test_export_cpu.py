@@ -17,7 +17,11 @@ import pytest
 import torch
 from conftest import save_tiny_checkpoint
 from helpers import StubHubRepo, left_padded_prompts
-from test_packed_prefill import assert_decode_rows_ride_along, assert_packed_equals_one_per_call
+from test_packed_prefill import (
+    assert_decode_rows_ride_along,
+    assert_packed_equals_one_per_call,
+    assert_snapshots_equal_chunks_ending_there,
+)
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
@@ -514,11 +518,13 @@ def test_a_saved_artifact_prefills_as_its_export_decided(
 
 def test_packed_prefill_on_the_compiled_graphs(exported, no_compilation) -> None:
     """Where the prefill graphs pack sequences (the native varlen ops), three sequences' chunks in one call
-    compute each sequence's logits, KV and GDN states as one call per chunk does, and decode rows riding
-    beside a whole chunk (more tokens than a chunk) as a decode step does."""
+    compute each sequence's logits, KV and GDN states as one call per chunk does, decode rows riding
+    beside a whole chunk (more tokens than a chunk) as a decode step does, and the states it snapshots
+    inside a chunk are those of chunks ending there."""
     _, _, _, model, _ = exported
     if not model.backend.packs_prefill:
         pytest.skip("these prefill graphs take one sequence per call (no native GDN chunk op here)")
     assert model.backend.decodes_in_prefill
     assert_packed_equals_one_per_call(model, atol=1e-5)
     assert_decode_rows_ride_along(model, atol=1e-5)
+    assert_snapshots_equal_chunks_ending_there(model, atol=1e-5)

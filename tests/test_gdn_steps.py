@@ -260,3 +260,42 @@ def test_packed_prefill_equals_each_sequence_alone(name: str, shape: tuple[int, 
     untouched = torch.ones(2, 7, dtype=torch.bool)
     untouched[1, slots] = False
     assert torch.equal(cache[untouched], states[untouched])
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+def test_packed_prefill_snapshots_states_inside_its_sequences(name: str) -> None:
+    """Snapshots at tokens 64 and 100 of a 150-token sequence and 5 tokens into a 70-token one: each snapshot
+    slot holds the float64 reference's state after that sequence's tokens before the end; outputs and final
+    states are the reference's on whole sequences; ends at a sequence's start or end or inside none leave
+    their slot alone."""
+    k_heads, v_heads, k_dim, v_dim = 2, 4, 32, 32
+    lengths = [150, 1, 70]
+    inputs = make_gdn_inputs(
+        1, sum(lengths), k_heads, v_heads, k_dim, v_dim, seed=5, normalize_qk=False, a_log_max=4.0,
+        softplus_max=12.0,
+    )  # fmt: skip
+    states = torch.randn(2, 12, v_heads, k_dim, v_dim, generator=torch.Generator().manual_seed(6))
+    slots = torch.tensor([4, 0, 2])
+    cu_seqlens = torch.tensor([0, 150, 151, 221])
+    ends = torch.tensor([100, 156, 64, 0, 150, 151])
+    targets = torch.tensor([7, 8, 9, 10, 11, 3])
+    cache = states.clone()
+    args = (inputs[n] for n in ("q", "k", "v", "g", "beta"))
+    o = CHUNKS[name](*args, cache, 1, slots, cu_seqlens, k_dim**-0.5, ends, targets)
+
+    def reference(first: int, end: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        own = {n: t[:, first:end] for n, t in inputs.items()}
+        out, state = reference_gated_delta_rule(
+            **own, initial_state=states[1, slot].unsqueeze(0), use_qk_l2norm=True
+        )
+        return out, state[0]
+
+    for s, (first, end) in enumerate([(0, 150), (150, 151), (151, 221)]):
+        expected_o, expected_state = reference(first, end, int(slots[s]))
+        assert max_rel_error(o[:, first:end], expected_o) <= 1e-5
+        assert max_rel_error(cache[1, slots[s]], expected_state) <= 1e-5
+    for (first, end, slot), target in zip([(0, 100, 4), (151, 156, 2), (0, 64, 4)], [7, 8, 9], strict=True):
+        assert max_rel_error(cache[1, target], reference(first, end, slot)[1]) <= 1e-5
+    for slot in (10, 11, 3):
+        assert torch.equal(cache[1, slot], states[1, slot])
+    assert torch.equal(cache[0], states[0])

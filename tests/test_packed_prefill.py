@@ -15,7 +15,12 @@ from helpers import export_eager, left_padded_prompts
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
 from optimum_qwen36.nki import causal_conv1d_fn
-from optimum_qwen36.ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native, varlen_conv_indices
+from optimum_qwen36.ops.conv import (
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_native,
+    snapshot_conv_tail,
+    varlen_conv_indices,
+)
 from optimum_qwen36.ops.native import load_native_ops
 
 
@@ -71,8 +76,9 @@ def assert_packed_equals_one_per_call(model, atol: float) -> None:
             got = getattr(packed, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
             want = getattr(alone, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    for state in ("conv_state", "recurrent_state"):
-        torch.testing.assert_close(getattr(packed, state), getattr(alone, state), atol=atol, rtol=0)
+    for state in ("conv_state", "recurrent_state"):  # the rows' slots (padding writes the scratch slot)
+        got, want = getattr(packed, state)[:, :batch], getattr(alone, state)[:, :batch]
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
 def assert_decode_rows_ride_along(model, atol: float) -> None:
@@ -110,11 +116,53 @@ def assert_decode_rows_ride_along(model, atol: float) -> None:
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
 
+def assert_snapshots_equal_chunks_ending_there(model, atol: float) -> None:
+    """An 11-token chunk in slot 0 continuing 3 computed tokens, snapshotted after positions 5 and 7 (the
+    second one's conv window reaching back past the first), beside a 4-token chunk in slot 1: each snapshot
+    slot holds the GDN state (conv and recurrent) that the sequence's slot holds after chunks ending at that
+    position, within `atol`; logits, every row slot's states and the KV agree as well. Snapshots outside
+    their chunk or more than the backend takes are refused."""
+    prefix, continued, other = _prompt(3, 1), _prompt(11, 2), _prompt(4, 3)
+    cuts = [5, 7]
+    runner = _runner(model)
+    assert runner.cache.snapshot_slots == len(cuts) == model.backend.prefill_snapshots
+    tables = runner.cache.block_tables
+    runner.prefill(prefix, 0, 0, tables[0])
+    chunks = [PackedChunk(continued, 3, 0, tables[0], cuts), PackedChunk(other, 0, 1, tables[1])]
+    packed_logits = runner.prefill_packed(chunks)
+    snapshots = [tuple(t.clone() for t in runner.snapshot_state(i)) for i in range(len(cuts))]
+
+    alone = _runner(model)
+    alone.prefill(prefix, 0, 0, tables[0])
+    expected = []
+    for first, end in itertools.pairwise([3, *cuts, 14]):
+        logits = alone.prefill(continued[first - 3 : end - 3], first, 0, tables[0])
+        expected.append(tuple(t.clone() for t in alone.slot_state(0)))
+    logits = torch.cat([logits, alone.prefill(other, 0, 1, tables[1])])
+    torch.testing.assert_close(packed_logits, logits, atol=atol, rtol=0)
+    for got, want in zip(snapshots, expected[:-1], strict=True):
+        torch.testing.assert_close(got[0], want[0], atol=atol, rtol=0)
+        torch.testing.assert_close(got[1], want[1], atol=atol, rtol=0)
+    rows = slice(0, model.neuron_config.batch_size)
+    for state in ("conv_state", "recurrent_state"):
+        got, want = getattr(runner.cache, state)[:, rows], getattr(alone.cache, state)[:, rows]
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    for name in ("key_cache", "value_cache"):
+        torch.testing.assert_close(
+            getattr(runner.cache, name)[:, 1:], getattr(alone.cache, name)[:, 1:], atol=atol, rtol=0
+        )
+    with pytest.raises(ValueError, match="not inside its chunk"):
+        runner.prefill_packed([PackedChunk(other, 0, 1, tables[1], [4])])
+    with pytest.raises(ValueError, match="takes 2 snapshots"):
+        runner.prefill_packed([PackedChunk(continued, 3, 0, tables[0], [4, 5, 6])])
+
+
 def test_packed_prefill_equals_one_call_per_chunk_eager(tiny_checkpoint) -> None:
     checkpoint, _ = tiny_checkpoint(seed=3)
     model = export_eager(checkpoint, batch_size=4, sequence_length=128, prefill_chunk_size=32)
     assert_packed_equals_one_per_call(model, atol=1e-5)
     assert_decode_rows_ride_along(model, atol=1e-5)
+    assert_snapshots_equal_chunks_ending_there(model, atol=1e-5)
 
 
 def test_packed_prefill_refuses_what_one_call_cannot_hold(tiny_checkpoint) -> None:
@@ -138,9 +186,9 @@ def test_engine_packs_the_chunks_of_a_step_and_keeps_each_requests_tokens(tiny_c
     calls: list[int] = []
     prefill = model.backend.prefill_chunk
 
-    def counting(*args: torch.Tensor) -> torch.Tensor:
+    def counting(*args: torch.Tensor, **snapshots: torch.Tensor) -> torch.Tensor:
         calls.append(args[3].numel())
-        return prefill(*args)
+        return prefill(*args, **snapshots)
 
     prompts = [_prompt(n, seed) for n, seed in ((5, 1), (17, 2), (1, 3), (30, 4))]
     params = SamplingParams(temperature=0, max_tokens=6)
@@ -165,9 +213,9 @@ def test_a_mixed_step_is_one_packed_prefill_call_holding_the_decode_rows(tiny_ch
     calls: list[tuple[str, int]] = []
     prefill, decode = backend.prefill_chunk, backend.decode_step
 
-    def counting_prefill(*args: torch.Tensor) -> torch.Tensor:
+    def counting_prefill(*args: torch.Tensor, **snapshots: torch.Tensor) -> torch.Tensor:
         calls.append(("prefill", args[3].numel()))
-        return prefill(*args)
+        return prefill(*args, **snapshots)
 
     def counting_decode(*args: torch.Tensor) -> torch.Tensor:
         calls.append(("decode", len(args[0])))
@@ -246,3 +294,31 @@ def test_packed_conv_equals_each_sequence_alone(dtype: torch.dtype) -> None:
         )
         torch.testing.assert_close(out[first:end], alone[0].t(), atol=1e-6, rtol=1e-6)
         assert torch.equal(new_states[s], state[0])
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_packed_conv_snapshots_the_conv_state_inside_sequences(native: bool) -> None:
+    """Snapshot rows after the sequences' tails: the conv state 2 tokens into a sequence (reaching into its
+    state rows) and 40 tokens in are bitwise `causal_conv1d_fn`'s on that sequence's tokens up to there; an
+    end of 0 (a padding entry) reads the first sequence's state; the sequences' own new states are as
+    without snapshots."""
+    if native and not load_native_ops():
+        pytest.skip("the native ops do not build here")
+    conv = causal_conv1d_varlen_native if native else causal_conv1d_varlen
+    lengths, width, channels = [5, 60], 4, 24
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(lengths), channels, generator=generator)
+    weight = torch.randn(channels, width, generator=generator)
+    states = torch.randn(len(lengths), channels, width - 1, generator=generator)
+    cu_seqlens = torch.tensor([0, 5, 65])
+    heads, taps, tails = varlen_conv_indices(cu_seqlens, width)
+    ends = torch.tensor([7, 45, 0])
+    snapshot_tails = snapshot_conv_tail(cu_seqlens, ends, width)
+    _, plain = conv(x, weight, states, heads, taps, tails)
+    _, new_states = conv(x, weight, states, heads, taps, torch.cat((tails, snapshot_tails)))
+    assert new_states.shape == (len(lengths) + len(ends), channels, width - 1)
+    assert torch.equal(new_states[: len(lengths)], plain)
+    for row, (first, end, s) in enumerate([(5, 7, 1), (5, 45, 1)]):
+        _, state = causal_conv1d_fn(x[first:end].t().unsqueeze(0), weight, initial_state=states[s : s + 1])
+        assert torch.equal(new_states[len(lengths) + row], state[0])
+    assert torch.equal(new_states[-1], states[0])

@@ -18,7 +18,8 @@ after each position apart), and KV written past it is overwritten before it is e
 
 The GDN state of a request lives in its slot of the cache from admission to finish; its KV blocks come from
 the prefix cache's pool. Prefix caching is a policy the scheduler consults: lookup at admission (the engine
-restores the hit's GDN checkpoint into the slot), checkpoints stored where prefill chunks end, blocks
+restores the hit's GDN checkpoint into the slot), checkpoints stored where prefill chunks end or, where the
+backend snapshots states inside a packed call (`prefill_snapshots`), at positions inside its chunks, blocks
 registered as they are computed and released at finish.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,8 @@ class Engine:
             prefill_chunk_size=prefill_chunk_size,
             max_model_len=cache.sequence_length,
             num_speculative_tokens=self.num_speculative_tokens,
+            # A step's chunks share a packed call (which snapshots) only without MTP: `_packable`.
+            prefill_snapshots=0 if self.num_speculative_tokens else self.runner.cache.snapshot_slots,
         )
         self.drafter: MTPDrafter | None = None
         if self.num_speculative_tokens:
@@ -422,11 +425,20 @@ class Engine:
             request = chunk.request
             tokens = request.token_ids[chunk.start : chunk.end]
             table = self._table(request)
-            sequences.append(PackedChunk(tokens, chunk.start, self.scheduler.slot_of(request), table))
+            inside = self._snapshots_inside(chunk)
+            slot = self.scheduler.slot_of(request)
+            sequences.append(PackedChunk(tokens, chunk.start, slot, table, inside))
         logits = self.runner.prefill_packed(sequences)
-        for chunk in chunks:
-            self._computed(chunk.request, chunk.end)
+        taken = itertools.count()
+        for chunk, sequence in zip(chunks, sequences, strict=True):
+            states = {p: self.runner.snapshot_state(next(taken)) for p in sorted(sequence.snapshots)}
+            self._computed(chunk.request, chunk.end, snapshots=states)
         return logits
+
+    def _snapshots_inside(self, chunk: PrefillChunk) -> list[int]:
+        """The prefix cache's checkpoint positions inside the chunk (the scheduler let it run past them)."""
+        positions = self.scheduler.sequence_of(chunk.request).snapshot_positions
+        return [p for p in positions if chunk.start < p < chunk.end]
 
     def _prefill(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's logits after its last token, and (speculative decoding) its hidden states."""
@@ -538,14 +550,17 @@ class Engine:
         request: Request,
         num_computed: int,
         state_after: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        snapshots: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Record that the request's first `num_computed` tokens are in the cache, and keep its GDN state
-        where the prefix cache wants a checkpoint: the slot's, or with `state_after` (a verify step) the
-        state after each newly computed position."""
+        where the prefix cache wants a checkpoint: the slot's, with `snapshots` the states a packed prefill
+        kept inside its chunk, or with `state_after` (a verify step) the state after each newly computed
+        position."""
         before = request.num_computed
         self.scheduler.computed(request, num_computed)
         seq = self.scheduler.sequence_of(request)
-        positions = range(before + 1, num_computed + 1) if state_after else [num_computed]
+        snapshots = snapshots or {}
+        positions = range(before + 1, num_computed + 1) if state_after else [*snapshots, num_computed]
         for position in positions:
             if position > request.cacheable_computed:
                 break  # padding
@@ -554,6 +569,8 @@ class Engine:
                 continue
             if state_after is not None:
                 conv, recurrent = state_after(position)
+            elif position in snapshots:
+                conv, recurrent = snapshots[position]
             else:
                 conv, recurrent = self.runner.slot_state(self.scheduler.slot_of(request))
             if store:

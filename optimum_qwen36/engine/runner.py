@@ -5,7 +5,9 @@ it is a client of the engine), so the step arguments are built in one place.
 - `prefill_packed`: chunks of several sequences in one call (backends that `packs_prefill`), at most one
   compiled chunk of tokens in all (and one token per batch row more where the backend takes
   `decodes_in_prefill`: decode rows are one-token chunks), each in its own slot: one pass over the weights
-  for all of them.
+  for all of them. Where the backend takes `prefill_snapshots`, the call also keeps the GDN states at
+  positions inside its chunks (`PackedChunk.snapshots`, then `snapshot_state`): prefix cache checkpoints
+  that need no chunk of their own.
 - `decode`: one token for each of some slots; a backend with a static batch (or fewer rows than its
   `min_step_rows`) gets the rows beyond the caller's as dummy tokens in the cache's scratch slot and the
   null block, and their logits are dropped. `verify` and `draft` are padded the same way.
@@ -27,13 +29,15 @@ from ..modeling.cache import Qwen36HybridCache
 
 @dataclass
 class PackedChunk:
-    """One sequence's part of a packed prefill: its tokens at positions start.., its GDN slot and its block
-    table [max_blocks]."""
+    """One sequence's part of a packed prefill: its tokens at positions start.., its GDN slot, its block
+    table [max_blocks], and the positions inside it (start < p < start + len(tokens)) after which its GDN
+    state is kept (in the call's order: `ModelRunner.snapshot_state`)."""
 
     tokens: Sequence[int] | torch.Tensor
     start: int
     slot: int
     block_table: torch.Tensor
+    snapshots: Sequence[int] = ()
 
 
 class ModelRunner:
@@ -52,8 +56,10 @@ class ModelRunner:
         return self.backend.prefill_chunk(*self._prefill_args(tokens, start, slot, block_table))
 
     def prefill_packed(self, chunks: Sequence[PackedChunk]) -> torch.Tensor:
-        """Compute several sequences' chunks (distinct slots, at most `max_packed_tokens` in all) in one
-        call; returns the logits after each one's last token, [len(chunks), vocab]."""
+        """Compute several sequences' chunks (distinct slots, at most `max_packed_tokens` in all, at most
+        the backend's `prefill_snapshots` snapshots) in one call; returns the logits after each one's last
+        token, [len(chunks), vocab]. The state after the i-th snapshot position (chunk by chunk, in
+        position order) is then `snapshot_state(i)`, until the next call."""
         if not self.backend.packs_prefill:
             raise ValueError(f"the {self.backend.name} backend prefills one sequence per call")
         tokens = [torch.as_tensor(chunk.tokens, dtype=torch.long) for chunk in chunks]
@@ -63,6 +69,26 @@ class ModelRunner:
                 f"a packed prefill holds 1..{self.max_packed_tokens} tokens in non-empty chunks, got "
                 f"{[len(t) for t in tokens]}"
             )
+        ends = []  # each snapshot's end in the packed tokens
+        first = 0
+        for chunk, chunk_tokens in zip(chunks, tokens, strict=True):
+            for position in sorted(chunk.snapshots):
+                if not chunk.start < position < chunk.start + len(chunk_tokens):
+                    raise ValueError(
+                        f"a snapshot at position {position} is not inside its chunk (positions "
+                        f"{chunk.start}..{chunk.start + len(chunk_tokens)})"
+                    )
+                ends.append(first + position - chunk.start)
+            first += len(chunk_tokens)
+        if len(ends) > self.cache.snapshot_slots:
+            raise ValueError(
+                f"a packed prefill takes {self.cache.snapshot_slots} snapshots (the {self.backend.name} "
+                f"backend's prefill_snapshots), got {len(ends)}"
+            )
+        snapshots = {}
+        if ends:
+            slots = [self.cache.snapshot_slot(i) for i in range(len(ends))]
+            snapshots = {"snapshot_ends": torch.tensor(ends), "snapshot_slots": torch.tensor(slots)}
         return self.backend.prefill_chunk(
             torch.cat(tokens).unsqueeze(0),
             torch.tensor([chunk.start for chunk in chunks]),
@@ -70,6 +96,7 @@ class ModelRunner:
             torch.tensor([chunk.slot for chunk in chunks]),
             torch.stack([chunk.block_table for chunk in chunks]),
             *self.cache.step_tensors(),
+            **snapshots,
         )
 
     def prefill_hidden(
@@ -190,6 +217,10 @@ class ModelRunner:
         """A new sequence starts from zero GDN state, whatever the slot held before."""
         self.cache.conv_state[:, slot].zero_()
         self.cache.recurrent_state[:, slot].zero_()
+
+    def snapshot_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and recurrent states of the last packed prefill's `index`-th snapshot (views)."""
+        return self.slot_state(self.cache.snapshot_slot(index))
 
     def slot_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's conv and recurrent states, as views (written in place by the steps)."""

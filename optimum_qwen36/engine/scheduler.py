@@ -15,9 +15,10 @@
   an engine without prefix caching) takes that sequence's slot and blocks when it is added, so no other
   request's chunk can take one of them first.
 - A request whose caller holds the logits of its next token (generate()'s rows) is never preempted.
-- Prefill chunks end at the prefix cache's checkpoint positions, where the engine stores the GDN state. A
-  chunk cut short by the budget ends on a multiple of the GDN kernel chunk (64 tokens), where chunked
-  prefill resumes exactly, or waits for the next step.
+- The engine stores the GDN state at the prefix cache's checkpoint positions. Where the backend snapshots
+  states inside a packed prefill call (`prefill_snapshots` per step), a chunk runs past up to that many of
+  them; otherwise a chunk ends at each. A chunk cut short by the budget ends on a multiple of the GDN
+  kernel chunk (64 tokens), where chunked prefill resumes exactly, or waits for the next step.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # Speculative decoding: how many of its drafts each decoding request verifies (by request id).
     num_drafts: dict[str, int] = field(default_factory=dict)
+    # Checkpoint positions inside the step's prefill chunks (their states are snapshotted by the call).
+    num_snapshots: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,7 @@ class Scheduler:
         prefill_chunk_size: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
+        prefill_snapshots: int = 0,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs + 1:
             raise ValueError(
@@ -93,6 +97,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
+        self.prefill_snapshots = prefill_snapshots
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -185,13 +190,16 @@ class Scheduler:
         request = entry.request
         start = request.num_computed
         stops = [p for p in entry.seq.snapshot_positions if p > start]
-        end = min(request.num_tokens, start + self.prefill_chunk_size, *stops)
+        # Chunks that need their prompt's log-probabilities run alone, where no state is snapshotted.
+        crossable = 0 if request.needs_prompt_logprobs else self.prefill_snapshots - plan.num_snapshots
+        end = min(request.num_tokens, start + self.prefill_chunk_size, *stops[crossable : crossable + 1])
         if start + budget < end:
             end = (start + budget) // KERNEL_CHUNK * KERNEL_CHUNK
             if end <= start:
                 return  # too little budget left for an exact chunk: next step
         if self._reserve(entry, end, plan, decode=False):
             plan.prefills.append(PrefillChunk(request, start, end - start))
+            plan.num_snapshots += sum(1 for p in stops if p < end)
 
     def _admit(self, request: Request, budget: int) -> _Running | None:
         """Admit the request if its first chunk's blocks can be had without preempting anyone."""

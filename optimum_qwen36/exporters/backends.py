@@ -53,10 +53,12 @@ from ..ops.native import (
 from .aoti import CompiledGraph
 from .base import (
     MIN_BATCH_ROWS,
+    PREFILL_SNAPSHOTS,
     EagerBackend,
     StepBackend,
     blocks_in_use,
     example_step_args,
+    no_snapshots,
     packed_prefill_args,
     rows_blocks_in_use,
 )
@@ -81,8 +83,9 @@ EXTRA_CONSTANTS = "constants.safetensors"
 STEP_SHAPES = "step_shapes.json"
 
 
-# Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device.
-CacheFactory = Callable[[str], Qwen36HybridCache]
+# Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device, with
+# so many snapshot slots.
+CacheFactory = Callable[[str, int], Qwen36HybridCache]
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
@@ -141,6 +144,7 @@ class AOTIBackend:
             )
         self.packs_prefill = shapes.any_prefill_tokens
         self.decodes_in_prefill = shapes.decode_rows_in_prefill
+        self.prefill_snapshots = shapes.prefill_snapshots
         # A batch above one row runs every row in the batched steps: fewer rows are padded.
         self.min_step_rows = 1 if "decode_row" in present else MIN_BATCH_ROWS
         speculative_steps = SPECULATIVE_ROW_STEPS if self.min_step_rows == 1 else SPECULATIVE_BATCHED_STEPS
@@ -164,13 +168,38 @@ class AOTIBackend:
         used = blocks_in_use(method, args, cut_tokens=self.packs_prefill)
         return self.graphs[method](*self._on_device(used)).cpu()
 
-    def _prefill_args(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _prefill_args(
+        self,
+        args: tuple[torch.Tensor, ...],
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The prefill graph's arguments: the call's, packed, and its snapshots padded to the graph's
+        `prefill_snapshots` entries (which it always takes)."""
         used = blocks_in_use("prefill_chunk", args, cut_tokens=self.packs_prefill)
-        return self._on_device(packed_prefill_args(used) if self.packs_prefill else used)
+        used = packed_prefill_args(used) if self.packs_prefill else used
+        wanted = 0 if snapshot_ends is None else len(snapshot_ends)
+        if wanted > self.prefill_snapshots:
+            raise ValueError(
+                f"this prefill graph takes {self.prefill_snapshots} GDN state snapshots per call, got "
+                f"{wanted}"
+            )
+        if self.prefill_snapshots:
+            ends, slots = no_snapshots(self.prefill_snapshots, args[-2].shape[1] - 1, "cpu")
+            if wanted:
+                ends[:wanted], slots[:wanted] = snapshot_ends, snapshot_slots
+            used = (*used, ends, slots)
+        return self._on_device(used)
 
-    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
+    def prefill_chunk(
+        self,
+        *args: torch.Tensor,
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         sequences = args[3].numel()
-        return self.graphs["prefill_chunk"](*self._prefill_args(args)).cpu()[:sequences]
+        graph_args = self._prefill_args(args, snapshot_ends, snapshot_slots)
+        return self.graphs["prefill_chunk"](*graph_args).cpu()[:sequences]
 
     def _step_graph(self, step: str, rows: int) -> str:
         """The graph of `step` (decode, verify or mtp) for a call with `rows` rows."""
@@ -251,9 +280,10 @@ class AOTIBackend:
             try:
                 cpu_kernels = uses_cpu_kernels(backend)
                 packs = prefill_takes_any_tokens(model, cpu_kernels)
-                shapes = StepShapes(any_prefill_tokens=packs, decode_rows_in_prefill=packs)
+                snapshots = PREFILL_SNAPSHOTS if packs else 0
+                shapes = StepShapes(packs, decode_rows_in_prefill=packs, prefill_snapshots=snapshots)
                 examples = example_step_args(
-                    neuron_config, make_cache(device), model.config.hidden_size, shapes.any_prefill_tokens
+                    neuron_config, make_cache(device, snapshots), model.config.hidden_size, packs, snapshots
                 )
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 _compile_graphs(model, graphs, staging, cpu_kernels=cpu_kernels, shapes=shapes)

@@ -17,7 +17,9 @@ class StepBackend(Protocol):
     """Runs `Qwen36ForCausalLM.prefill_chunk` and `.decode_step` (same arguments, same results).
     `packs_prefill`: whether prefill_chunk takes several sequences packed in one call (else one);
     `decodes_in_prefill`: whether such a call also takes up to batch tokens beyond a chunk, so a step's
-    decode rows (one-token sequences) ride along in it."""
+    decode rows (one-token sequences) ride along in it; `prefill_snapshots`: how many GDN states inside
+    its sequences such a call can write to the cache's snapshot slots (prefix cache checkpoints that then
+    need no chunk of their own; keyword arguments `snapshot_ends` / `snapshot_slots` of prefill_chunk)."""
 
     name: str
     # Where the cache tensors must live (the steps update them in place there).
@@ -29,8 +31,14 @@ class StepBackend(Protocol):
     min_step_rows: int
     packs_prefill: bool
     decodes_in_prefill: bool
+    prefill_snapshots: int
 
-    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor: ...
+    def prefill_chunk(
+        self,
+        *args: torch.Tensor,
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
 
@@ -57,6 +65,9 @@ MIN_PREFILL_TOKENS = 2
 MIN_TABLE_BLOCKS = 2
 MIN_BATCH_ROWS = 2
 MIN_PACKED_SEQUENCES = 2
+# The GDN state snapshots one packed prefill call takes (a chunk that crosses a prompt's end checkpoint and
+# its chat history's, say), and so the cache's snapshot slots.
+PREFILL_SNAPSHOTS = 2
 
 
 def blocks_in_use(
@@ -99,6 +110,15 @@ def packed_prefill_args(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
     return (input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state, state)
 
 
+def no_snapshots(
+    count: int, scratch_slot: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` snapshot entries that snapshot nothing (`snapshot_ends`, `snapshot_slots` of a packed prefill):
+    an end of 0 lies inside no sequence, and their conv rows go to the scratch slot."""
+    ends = torch.zeros(count, dtype=torch.long, device=device)
+    return ends, torch.full((count,), scratch_slot, dtype=torch.long, device=device)
+
+
 def rows_blocks_in_use(
     start_pos: torch.Tensor, num_valid: torch.Tensor, block_tables: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -122,14 +142,21 @@ class EagerBackend:
     min_step_rows = 1
     packs_prefill = True
     decodes_in_prefill = True
+    prefill_snapshots = PREFILL_SNAPSHOTS
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model
         self.device = str(next(model.parameters()).device)
 
     @torch.no_grad()
-    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model.prefill_chunk(*blocks_in_use("prefill_chunk", args))
+    def prefill_chunk(
+        self,
+        *args: torch.Tensor,
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        used = blocks_in_use("prefill_chunk", args)
+        return self.model.prefill_chunk(*used, snapshot_ends, snapshot_slots)
 
     @torch.no_grad()
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
@@ -164,6 +191,7 @@ def example_step_args(
     cache: Qwen36HybridCache,
     hidden_size: int | None = None,
     packed_prefill: bool = False,
+    prefill_snapshots: int = 0,
 ) -> dict[str, tuple[torch.Tensor, ...]]:
     """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch; the
     speculative steps need the model's `hidden_size`; `packed_prefill`: prefill_chunk as packed prefill
@@ -184,6 +212,8 @@ def example_step_args(
     )
     if packed_prefill:
         prefill = packed_prefill_args(prefill)
+    if prefill_snapshots:
+        prefill = (*prefill, *no_snapshots(prefill_snapshots, cache.scratch_slot, device))
     decode = (
         torch.zeros((batch, 1), dtype=torch.long, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),

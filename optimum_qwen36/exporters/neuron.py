@@ -158,13 +158,14 @@ class NeuronBackend:
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
     packs_prefill = False  # static shapes: one sequence's chunk per prefill call
+    prefill_snapshots = 0
     decodes_in_prefill = False
 
     def __init__(
         self,
         model: Qwen36ForCausalLM,
         neuron_config: Qwen36NeuronConfig,
-        make_cache: Callable[[str], Any],
+        make_cache: Callable[[str, int], Any],
         compiled_dir: Path | None = None,
         *,
         device: str = "neuron",
@@ -209,9 +210,9 @@ class NeuronBackend:
             logger.warning("%s holds no NEFF: the neuron steps will be compiled again.", source)
         return names
 
-    def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str], Any]) -> None:
+    def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str, int], Any]) -> None:
         """torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache."""
-        examples = example_step_args(neuron_config, make_cache(self.device))
+        examples = example_step_args(neuron_config, make_cache(self.device, self.prefill_snapshots))
         for method in self._steps:  # decode_step at the full batch: the static batch it always runs
             self._run(method, examples[method])
         self._compiled = self.neff_cache.neffs() - self._neffs_before

@@ -57,6 +57,7 @@ PACKED_FIELDS = {
     "full_attention": ("cu_seqlens",),
     "linear_attention": ("cu_seqlens", "conv_heads", "conv_taps", "conv_tail"),
 }
+SNAPSHOT_FIELDS = ("snapshot_ends", "snapshot_slots", "snapshot_tail")
 VERIFY_FIELDS = ("spec_conv_state", "spec_recurrent_state")
 HEAD = "head"
 HEAD_WEIGHTS = ("model.norm.weight", "lm_head.weight")
@@ -87,10 +88,13 @@ class StepShapes:
     """What the graphs take beyond their example shapes. `any_prefill_tokens`: the prefill graphs take
     2..chunk tokens of 2..batch + 1 sequences packed one after the other (`_dims`; a caller with one
     sequence adds an empty one, `base.packed_prefill_args`). `decode_rows_in_prefill`: and up to batch
-    tokens more, so a step's decode rows (one-token sequences) ride along beside a whole chunk."""
+    tokens more, so a step's decode rows (one-token sequences) ride along beside a whole chunk.
+    `prefill_snapshots`: and that many GDN state snapshots inside its sequences (`StepInputs`; always
+    passed, `base.no_snapshots` where fewer are wanted), the cache's snapshot slots."""
 
     any_prefill_tokens: bool = False
     decode_rows_in_prefill: bool = False
+    prefill_snapshots: int = 0
 
 
 def head_step(step: str, shapes: StepShapes) -> str:
@@ -169,7 +173,8 @@ def layer_fields(layer_type: str, step: str, shapes: StepShapes) -> tuple[str, .
         return fields
     fields = tuple(f for f in fields if f not in PREFILL_ONLY_FIELDS)
     if step == "prefill_chunk":
-        return fields + PACKED_FIELDS[layer_type]
+        snapshots = SNAPSHOT_FIELDS if shapes.prefill_snapshots and layer_type == "linear_attention" else ()
+        return fields + PACKED_FIELDS[layer_type] + snapshots
     return fields + VERIFY_FIELDS if step in VERIFY_STEPS and layer_type == "linear_attention" else fields
 
 
@@ -446,8 +451,9 @@ def _layer_and_head_region_args(
 ) -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]]:
     with torch.no_grad():
         hidden, inputs = getattr(model, INPUTS_OF[step])(*step_args)
-    # A batched step's rows; a prefill step's sequences are the running requests (one per real slot).
-    max_rows = inputs.conv_state.shape[1] - 1 if step == "prefill_chunk" else step_args[0].shape[0]
+    # A batched step's rows; a prefill step's sequences are the running requests (one per row slot).
+    rows = inputs.conv_state.shape[1] - 1 - shapes.prefill_snapshots
+    max_rows = rows if step == "prefill_chunk" else step_args[0].shape[0]
     dims = _dims(step, inputs, max_rows=max_rows, shapes=shapes)
     regions: list[tuple[str, nn.Module, tuple[torch.Tensor, ...], list[Any]]] = []
     for kind in layer_kinds(model):

@@ -19,9 +19,11 @@ class Qwen36HybridCache(Cache):
 
     - `key_cache`, `value_cache`: [n_attention_layers, num_blocks, block_size, n_kv_heads, head_dim]; row b's
       position p lives in block `block_tables[b, p // block_size]`. Block 0 is the null block.
-    - `conv_state`: [n_gdn_layers, batch_size + 1, conv_dim, conv_kernel - 1] in the model dtype.
-    - `recurrent_state`: [n_gdn_layers, batch_size + 1, HV, K, V], float32. Slot `scratch_slot`
-      (= batch_size) belongs to no row: a static-batch backend decodes its padding rows there.
+    - `conv_state`: [n_gdn_layers, slots, conv_dim, conv_kernel - 1] in the model dtype.
+    - `recurrent_state`: [n_gdn_layers, slots, HV, K, V], float32. Slots: one per row, then
+      `snapshot_slots` (where a packed prefill call writes the states a prefix cache checkpoints inside its
+      chunks: `snapshot_slot(i)`), then `scratch_slot`, the last, which belongs to no row: a static-batch
+      backend decodes its padding rows there.
     - With `num_speculative_tokens` k > 0 (MTP speculative decoding): one more attention entry in the KV
       tensors, the MTP layer's, and `spec_conv_state` / `spec_recurrent_state` [n_gdn_layers, slots, k + 1,
       ...]: a verify step's GDN state after each of its k + 1 positions, per slot.
@@ -39,6 +41,7 @@ class Qwen36HybridCache(Cache):
         device: torch.device | str = "cpu",
         num_blocks: int | None = None,
         num_speculative_tokens: int = 0,
+        snapshot_slots: int = 0,
     ) -> None:
         # The transformers base class keeps per-layer objects; this cache keeps stacked tensors instead.
         super().__init__(layers=[])
@@ -60,8 +63,9 @@ class Qwen36HybridCache(Cache):
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
             config.linear_num_value_heads * config.linear_value_head_dim
         )
-        self.scratch_slot = batch_size
-        slots = batch_size + 1
+        self.snapshot_slots = snapshot_slots
+        self.scratch_slot = batch_size + snapshot_slots
+        slots = self.scratch_slot + 1
         self.conv_state = torch.zeros(
             (n_gdn, slots, conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
         )
@@ -95,6 +99,12 @@ class Qwen36HybridCache(Cache):
         self.token_ids = torch.zeros((batch_size, sequence_length), dtype=torch.long)
         # Index of each model layer within its group (attention layers or GDN layers).
         self._group_index = [self.layer_types[:i].count(t) for i, t in enumerate(self.layer_types)]
+
+    def snapshot_slot(self, index: int) -> int:
+        """The slot of the `index`-th state a packed prefill call snapshots."""
+        if not 0 <= index < self.snapshot_slots:
+            raise IndexError(f"snapshot slot {index} of a cache with {self.snapshot_slots}")
+        return self._batch_size + index
 
     # -- the four tensors the compiled steps take, in their argument order
     def step_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

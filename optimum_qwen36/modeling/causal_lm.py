@@ -306,7 +306,9 @@ class NeuronModelForCausalLM:
             backend = create_backend(
                 model,
                 neuron_config,
-                lambda device: cls.cache_for(model.config, neuron_config, device),
+                lambda device, snapshot_slots: cls.cache_for(
+                    model.config, neuron_config, device, snapshot_slots=snapshot_slots
+                ),
                 compiled_dir=None if compiled_dir is None else Path(compiled_dir),
                 cache=compile_cache,
             )
@@ -472,17 +474,27 @@ class NeuronModelForCausalLM:
 
     def _new_cache(self) -> Qwen36HybridCache:
         # Compiled backends keep the cache on their device (cpu, cuda, neuron), where it is updated in place.
-        cache = self.cache_for(self.model.config, self.neuron_config, self.backend.device)
+        cache = self.cache_for(
+            self.model.config,
+            self.neuron_config,
+            self.backend.device,
+            snapshot_slots=self.backend.prefill_snapshots,
+        )
         if self.tensor_parallel is not None:
             self.tensor_parallel.register(cache)
         return cache
 
     @staticmethod
     def cache_for(
-        config: PretrainedConfig, nc: Qwen36NeuronConfig, device: str = "cpu", num_blocks: int | None = None
+        config: PretrainedConfig,
+        nc: Qwen36NeuronConfig,
+        device: str = "cpu",
+        num_blocks: int | None = None,
+        snapshot_slots: int = 0,
     ) -> Qwen36HybridCache:
         """The cache generate() uses; compiled graphs are traced with its shapes (the KV block count is a
-        dynamic dimension: `num_blocks` changes nothing compiled)."""
+        dynamic dimension: `num_blocks` changes nothing compiled; `snapshot_slots` is the backend's
+        `prefill_snapshots`)."""
         # Prefix caching: as many blocks again as the rows own, for the cached prefixes.
         blocks = 1 + 2 * nc.batch_size * nc.max_blocks_per_sequence if nc.prefix_caching else None
         return Qwen36HybridCache(
@@ -494,6 +506,7 @@ class NeuronModelForCausalLM:
             device=device,
             num_blocks=num_blocks or blocks,
             num_speculative_tokens=nc.num_speculative_tokens,
+            snapshot_slots=snapshot_slots,
         )
 
     def create_engine(
@@ -531,7 +544,13 @@ class NeuronModelForCausalLM:
         settings = self.neuron_config
         if prefix_caching is not None:
             settings = dataclasses.replace(settings, prefix_caching=prefix_caching)
-        cache = self.cache_for(self.model.config, settings, self.backend.device, num_blocks=num_kv_blocks)
+        cache = self.cache_for(
+            self.model.config,
+            settings,
+            self.backend.device,
+            num_blocks=num_kv_blocks,
+            snapshot_slots=self.backend.prefill_snapshots,
+        )
         return Engine(
             self.backend,
             cache,

@@ -39,7 +39,7 @@ from ..ops.attention import (
     paged_attention_torch,
     paged_attention_varlen_torch,
 )
-from ..ops.conv import VarlenConv, causal_conv1d_varlen, varlen_conv_indices
+from ..ops.conv import VarlenConv, causal_conv1d_varlen, snapshot_conv_tail, varlen_conv_indices
 from ..ops.gdn import (
     GDNChunk,
     GDNStep,
@@ -71,7 +71,10 @@ class StepInputs:
     A packed prefill step (S sequences one after the other in one row of N tokens, every token real) has
     `cu_seqlens` [S + 1] (sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1]), block tables and slots
     per sequence [S, ...], and the conv indices of `ops.conv.varlen_conv_indices` (`conv_heads` [S, W - 1],
-    `conv_taps` [S, W - 1, W], `conv_tail` [S, W - 1]); no `valid` / `num_valid`."""
+    `conv_taps` [S, W - 1, W], `conv_tail` [S, W - 1]); no `valid` / `num_valid`. It may also snapshot
+    GDN states inside its sequences for the prefix cache: the state before packed token `snapshot_ends` [P]
+    goes to slot `snapshot_slots` [P] (`ops.gdn`), its conv state from the source rows `snapshot_tail`
+    [P, W - 1] (`ops.conv.snapshot_conv_tail`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -91,6 +94,9 @@ class StepInputs:
     conv_heads: torch.Tensor | None = None
     conv_taps: torch.Tensor | None = None
     conv_tail: torch.Tensor | None = None
+    snapshot_ends: torch.Tensor | None = None
+    snapshot_slots: torch.Tensor | None = None
+    snapshot_tail: torch.Tensor | None = None
 
 
 class Qwen36RMSNorm(nn.Module):
@@ -267,6 +273,9 @@ class Qwen36GatedDeltaNet(nn.Module):
             return out
         if step.cu_seqlens is not None:
             out, new_conv = self.prefill_packed(hidden, step, conv_state, cache_idx)
+            if step.snapshot_slots is not None:  # new_conv also holds the snapshots' conv states
+                written = torch.cat((step.slots, step.snapshot_slots))
+                index = (torch.zeros_like(written) + cache_idx, written)
         elif step.valid is None:
             out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
         else:
@@ -313,20 +322,21 @@ class Qwen36GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [1, N, hidden]: the sequences of a packed prefill step (every token real), conv_state the
         conv states of their slots [S, ...]. Returns the output and the new conv state of each sequence at
-        its end; the slots' recurrent states are updated in place."""
+        its end (then each snapshot's); the slots' recurrent states (and snapshot slots') are written in
+        place."""
         mixed, z, beta, g = self._project(hidden)
+        tails = step.conv_tail
+        snapshots: tuple[torch.Tensor, ...] = ()
+        if step.snapshot_ends is not None:
+            tails = torch.cat((tails, step.snapshot_tail))
+            snapshots = (step.snapshot_ends, step.snapshot_slots)
         mixed, new_conv_state = self.varlen_conv(
-            mixed[0].t(),
-            self.conv1d.weight.squeeze(1),
-            conv_state,
-            step.conv_heads,
-            step.conv_taps,
-            step.conv_tail,
+            mixed[0].t(), self.conv1d.weight.squeeze(1), conv_state, step.conv_heads, step.conv_taps, tails
         )
         query, key, value = self._split_heads(mixed.unsqueeze(0))
         core = self.chunk_step(
             query, key, value, g, beta, step.recurrent_state, cache_idx, step.slots, step.cu_seqlens,
-            self.head_k_dim**-0.5,
+            self.head_k_dim**-0.5, *snapshots,
         )  # fmt: skip
         return self._output(core, z), new_conv_state
 
@@ -531,15 +541,17 @@ class Qwen36ForCausalLM(nn.Module):
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read (see
-        `prefill_chunk`): one sequence's, or packed sequences' when there are several."""
+        `prefill_chunk`): one sequence's, or packed sequences' when there are several or snapshots."""
         block_size = key_cache.shape[2]
         start_pos, num_valid, slots = start_pos.reshape(-1), num_valid.reshape(-1), slots.reshape(-1)
         block_tables = block_tables.reshape(slots.shape[0], -1)
         hidden = self.model.embed_tokens(input_ids)
         caches = (key_cache, value_cache, conv_state, recurrent_state)
-        if slots.shape[0] == 1:
+        if slots.shape[0] == 1 and snapshot_ends is None:
             positions, valid = self._row_positions(start_pos, num_valid, input_ids.shape[1])
             write_slots = self._write_slots(positions, valid, block_tables, block_size)
             cos, sin = self._rotary(positions, hidden.dtype)
@@ -554,12 +566,16 @@ class Qwen36ForCausalLM(nn.Module):
         blocks = block_tables[sequence, position // block_size]
         positions = position.unsqueeze(0)
         write_slots = (blocks * block_size + position % block_size).unsqueeze(0)
-        conv_heads, conv_taps, conv_tail = varlen_conv_indices(cu_seqlens, self.config.linear_conv_kernel_dim)
+        width = self.config.linear_conv_kernel_dim
+        conv_heads, conv_taps, conv_tail = varlen_conv_indices(cu_seqlens, width)
         cos, sin = self._rotary(positions, hidden.dtype)
         step = StepInputs(
             cos, sin, write_slots, block_tables, positions, slots, None, None, *caches,
             cu_seqlens=cu_seqlens, conv_heads=conv_heads, conv_taps=conv_taps, conv_tail=conv_tail,
         )  # fmt: skip
+        if snapshot_ends is not None:
+            step.snapshot_ends, step.snapshot_slots = snapshot_ends, snapshot_slots
+            step.snapshot_tail = snapshot_conv_tail(cu_seqlens, snapshot_ends, width)
         return hidden, step
 
     def decode_inputs(
@@ -617,6 +633,8 @@ class Qwen36ForCausalLM(nn.Module):
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
+        snapshot_ends: torch.Tensor | None = None,
+        snapshot_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run prefill chunks of S sequences, packed one after the other in input_ids [1, C].
 
@@ -624,10 +642,13 @@ class Qwen36ForCausalLM(nn.Module):
         and its blocks in block_tables[s] (start_pos, num_valid, slots [S] int64; block_tables [S,
         max_blocks]). One sequence (S = 1) may be right-padded (num_valid < C; it may also pass int64 scalars
         and a [max_blocks] table); packed ones (S > 1) fill the row exactly (sum(num_valid) == C).
+        `snapshot_ends` / `snapshot_slots` [P] (unpadded calls only): the GDN state of the sequence holding
+        packed token snapshot_ends[p] - 1, after that token, is also written to slot snapshot_slots[p] (a
+        prefix cache checkpoint inside a chunk; an end at a sequence's start or end is ignored).
         Returns the float32 logits of each sequence's last token, [S, vocab]."""
         hidden, step = self.prefill_inputs(
             input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
-            recurrent_state,
+            recurrent_state, snapshot_ends, snapshot_slots,
         )  # fmt: skip
         return self.prefill_logits(self.decoder(hidden, step), step)
 

@@ -52,6 +52,18 @@ def varlen_conv_indices(
     return head_tokens, head_taps, conv_tail
 
 
+def snapshot_conv_tail(cu_seqlens: torch.Tensor, snapshot_ends: torch.Tensor, width: int) -> torch.Tensor:
+    """The source rows [P, width - 1] of the conv state before packed token snapshot_ends[p] (the last
+    width - 1 inputs of its sequence up to there, state rows included): the conv state at a prefix cache
+    checkpoint inside a sequence. An end of 0 reads the first sequence's state rows (a padding entry)."""
+    history = width - 1
+    num_sequences = cu_seqlens.shape[0] - 1
+    owners = torch.searchsorted(cu_seqlens[1:], snapshot_ends - 1, right=True).clamp(max=num_sequences - 1)
+    taps = torch.arange(history, device=cu_seqlens.device)
+    window = (snapshot_ends - cu_seqlens[owners]).unsqueeze(1) + taps
+    return _source_row(window, owners.unsqueeze(1), cu_seqlens, num_sequences, history)
+
+
 def _source_row(
     window: torch.Tensor, owner: torch.Tensor, cu_seqlens: torch.Tensor, num_sequences: int, history: int
 ) -> torch.Tensor:
@@ -69,9 +81,10 @@ def causal_conv1d_varlen(
     conv_tail: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] (the packed tokens, token-major as the projection gives them), weight [D, W], conv_state
-    [S, D, W - 1] (the sequences'), indices from `varlen_conv_indices`. Returns SiLU(conv) [N, D] in x's
-    dtype and the new conv states [S, D, W - 1] in conv_state's dtype, with the arithmetic of
-    `nki.causal_conv1d_fn` (float32 taps summed in order)."""
+    [S, D, W - 1] (the sequences'), indices from `varlen_conv_indices` (conv_tail [R, W - 1]: the
+    sequences' tails, and `snapshot_conv_tail`'s rows after them where states inside sequences are wanted).
+    Returns SiLU(conv) [N, D] in x's dtype and the conv states of conv_tail's rows [R, D, W - 1] in
+    conv_state's dtype, with the arithmetic of `nki.causal_conv1d_fn` (float32 taps summed in order)."""
     tokens, channels = x.shape
     width = weight.shape[1]
     w = weight.float().t()  # [W, D]

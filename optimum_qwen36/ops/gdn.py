@@ -8,7 +8,10 @@ slots[b] is row b's state; q and k are L2-normalised first (as `use_qk_l2norm_in
 - prefill chunk: q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV], slots [S], cu_seqlens [S + 1] or
   None: sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1] (a packed prefill step), in slot slots[s]; None
   is one sequence (S = 1) of all T tokens. Tokens past a sequence's real ones carry g = 0 and beta = 0, so
-  they leave its state as it is. Returns o [1, T, HV, V] (zeros after the last sequence).
+  they leave its state as it is. Returns o [1, T, HV, V] (zeros after the last sequence). Packed, it may
+  also take snapshots (snapshot_ends, snapshot_slots [P]): the state of the sequence s with cu_seqlens[s] <
+  snapshot_ends[p] < cu_seqlens[s + 1] after its tokens before snapshot_ends[p] is also written to slot
+  snapshot_slots[p] (a prefix cache checkpoint inside a chunk); ends inside no sequence are ignored.
 - verify step (MTP speculative decoding): T tokens per row, q, k [B, T, H, K], v [B, T, HV, V], g and beta
   [B, T, HV], each advanced as a decode step would; the slots' states are only read, and the state after
   token t goes to spec_recurrent_state [L, slots, T, HV, K, V] at [cache_idx, slots[b], t]. Returns
@@ -33,7 +36,8 @@ from .varlen import sequence_spans
 
 # (q, k, v, g, beta, recurrent_state, cache_idx, slots, scale) -> o
 GDNStep = Callable[..., torch.Tensor]
-# (q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale) -> o
+# (q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale[, snapshot_ends,
+#  snapshot_slots]) -> o
 GDNChunk = Callable[..., torch.Tensor]
 
 
@@ -138,16 +142,30 @@ def gdn_prefill_chunk_torch(
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
     scale: float,
+    snapshot_ends: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed sequences (cu_seqlens given) run one at a time: eager only, it reads cu_seqlens' values."""
+    """Packed sequences (cu_seqlens given) run one at a time, each in parts ending at its snapshots: eager
+    only, it reads cu_seqlens' values."""
     if cu_seqlens is None:
         return _chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, scale)
+    snapshots = []
+    if snapshot_ends is not None:
+        snapshots = sorted(zip(snapshot_ends.tolist(), snapshot_slots.tolist(), strict=True))
     out = torch.zeros_like(v)
     for s, tokens in sequence_spans(cu_seqlens):
-        out[:, tokens] = _chunk_torch(
-            q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens], recurrent_state,
-            cache_idx, slots[s : s + 1], scale,
-        )  # fmt: skip
+        first = tokens.start
+        cuts = [(end, slot) for end, slot in snapshots if tokens.start < end < tokens.stop]
+        for end, target in [*cuts, (tokens.stop, None)]:
+            part = slice(first, end)
+            out[:, part] = _chunk_torch(
+                q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], recurrent_state,
+                cache_idx, slots[s : s + 1], scale,
+            )  # fmt: skip
+            if target is not None:
+                state = recurrent_state[cache_idx, slots[s : s + 1]]
+                _write_states(recurrent_state, cache_idx, slots.new_tensor([target]), state)
+            first = end
     return out
 
 
@@ -187,12 +205,18 @@ def gdn_prefill_chunk_native(
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
     scale: float,
+    snapshot_ends: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The native op (load it first: `ops.native.load_native_ops()`); head sizes that are not multiples of
     its 16-float vectors run the PyTorch form."""
+    args = (q, k, v, g, beta, recurrent_state)
     if not native_chunk_supported(q.shape[-1], v.shape[-1]):
-        return gdn_prefill_chunk_torch(q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale)
+        return gdn_prefill_chunk_torch(
+            *args, cache_idx, slots, cu_seqlens, scale, snapshot_ends, snapshot_slots
+        )  # fmt: skip
     if cu_seqlens is None:
         cu_seqlens = torch.stack([torch.zeros_like(slots[0]), torch.zeros_like(slots[0]) + q.shape[1]])
     op = torch.ops.optimum_qwen36.gdn_prefill_chunk
-    return op(q, k, v, g, beta, recurrent_state, layer_index(cache_idx, q.device), slots, cu_seqlens, scale)
+    layer = layer_index(cache_idx, q.device)
+    return op(*args, layer, slots, cu_seqlens, scale, snapshot_ends, snapshot_slots)

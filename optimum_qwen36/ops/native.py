@@ -199,14 +199,26 @@ def _register_fake_kernels() -> None:
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::gdn_prefill_chunk")
-    def _(q, k, v, g, beta, recurrent_state, cache_idx, slots, cu_seqlens, scale):
+    def _(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        recurrent_state,
+        cache_idx,
+        slots,
+        cu_seqlens,
+        scale,
+        snapshot_ends=None,
+        snapshot_slots=None,
+    ):
         return torch.empty_like(v, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("optimum_qwen36::causal_conv1d_varlen")
     def _(x, weight, conv_state, head_tokens, head_taps, conv_tail):
-        return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
-            conv_state, memory_format=torch.contiguous_format
-        )
+        states = conv_state.new_empty((conv_tail.shape[0], *conv_state.shape[1:]))
+        return torch.empty_like(x, memory_format=torch.contiguous_format), states
 
     @torch.library.register_fake("optimum_qwen36::paged_attention")
     def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):

@@ -3,8 +3,9 @@
 // The native form of ops/conv.py's `causal_conv1d_varlen`, with the same inputs and outputs: x [N, D] (the
 // packed tokens), weight [D, W], conv_state [S, D, W - 1], and the step's indices into the "source rows"
 // (the S conv states' W - 1 rows each, then the N tokens): head_tokens [S, W - 1] (the tokens whose taps
-// reach into a conv state; N: none), head_taps [S, W - 1, W] (their taps' source rows), conv_tail [S, W - 1]
-// (each sequence's last W - 1 source rows: its new conv state). Every other token's taps are the W - 1
+// reach into a conv state; N: none), head_taps [S, W - 1, W] (their taps' source rows), conv_tail [R, W - 1]
+// (W - 1 source rows per returned state: each sequence's last ones, its new conv state, and any more that a
+// caller wants, e.g. the conv state at a prefix cache checkpoint inside a sequence). Every other token's taps are the W - 1
 // tokens before it and itself. Taps are multiplied and summed in float32 in tap order, then SiLU; outputs in
 // x's dtype, the new states in conv_state's (which must be x's). Products are fused multiply-adds (the
 // PyTorch form rounds each product first): a float32 rounding apart.
@@ -107,7 +108,7 @@ void conv_row(const T* const* rows, const float* w, int64_t width, int64_t chann
 template <typename T>
 void conv_varlen(const T* x, const float* w, const T* conv_state, const int64_t* head_tokens,
                  const int64_t* head_taps, const int64_t* conv_tail, int64_t tokens, int64_t channels,
-                 int64_t width, int64_t sequences, T* out, T* new_state) {
+                 int64_t width, int64_t sequences, int64_t tails, T* out, T* new_state) {
   const int64_t history = width - 1, state_rows = sequences * history;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     const optimum_qwen36::FlushDenormals flush_denormals;
@@ -141,7 +142,7 @@ void conv_varlen(const T* x, const float* w, const T* conv_state, const int64_t*
       rows[tap] = source_row(head_taps[i * width + tap], gathered.data() + tap * channels);
     conv_row(rows.data(), w, width, channels, scratch.data(), out + token * channels);
   }
-  for (int64_t s = 0; s < sequences; ++s)
+  for (int64_t s = 0; s < tails; ++s)
     for (int64_t j = 0; j < history; ++j) {
       const T* row = source_row(conv_tail[s * history + j], gathered.data());
       T* dst = new_state + s * channels * history + j;
@@ -160,9 +161,12 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_varlen(const at::Tensor& x, con
   TORCH_CHECK(x.scalar_type() == conv_state.scalar_type(),
               "causal_conv1d_varlen: x and conv_state must have the same dtype");
   const std::vector<int64_t> index_shape{sequences, width - 1};
-  TORCH_CHECK(head_tokens.sizes() == index_shape && conv_tail.sizes() == index_shape && head_taps.dim() == 3 &&
-                  head_taps.size(0) == sequences && head_taps.size(1) == width - 1 && head_taps.size(2) == width,
-              "causal_conv1d_varlen: head_tokens / conv_tail [S, W - 1] and head_taps [S, W - 1, W] expected");
+  TORCH_CHECK(head_tokens.sizes() == index_shape && conv_tail.dim() == 2 && conv_tail.size(1) == width - 1 &&
+                  head_taps.dim() == 3 && head_taps.size(0) == sequences && head_taps.size(1) == width - 1 &&
+                  head_taps.size(2) == width,
+              "causal_conv1d_varlen: head_tokens [S, W - 1], head_taps [S, W - 1, W] and conv_tail [R, W - 1] "
+              "expected");
+  const int64_t tails = conv_tail.size(0);
   const at::Tensor xc = x.contiguous(), state = conv_state.contiguous();
   const at::Tensor w = weight.to(at::kFloat).t().contiguous();  // [W, D]: one row per tap
   const at::Tensor heads = head_tokens.to(at::kLong).contiguous(), taps = head_taps.to(at::kLong).contiguous();
@@ -173,11 +177,12 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_varlen(const at::Tensor& x, con
     TORCH_CHECK(std::all_of(p, p + index->numel(), [&](int64_t r) { return r >= 0 && r < source_rows; }),
                 "causal_conv1d_varlen: a source row index is outside the ", source_rows, " source rows");
   }
-  at::Tensor out = at::empty_like(xc), new_state = at::empty_like(state);
+  at::Tensor out = at::empty_like(xc), new_state = at::empty({tails, channels, width - 1}, state.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "causal_conv1d_varlen", [&] {
     conv_varlen<scalar_t>(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), state.data_ptr<scalar_t>(),
                           heads.data_ptr<int64_t>(), taps.data_ptr<int64_t>(), tail.data_ptr<int64_t>(), tokens,
-                          channels, width, sequences, out.data_ptr<scalar_t>(), new_state.data_ptr<scalar_t>());
+                          channels, width, sequences, tails, out.data_ptr<scalar_t>(),
+                          new_state.data_ptr<scalar_t>());
   });
   return {out, new_state};
 }

@@ -5,7 +5,10 @@
 // [cu_seqlens[s], cu_seqlens[s + 1]); recurrent_state [L, slots, HV, K, V] float32, of which layer
 // `cache_idx`, slot slots[s] is sequence s's state S, read as the initial state and overwritten with the state
 // after its last token. Padding tokens inside a sequence must carry g = 0 and beta = 0 (then they leave S
-// untouched); tokens after the last sequence get o = 0. A sequence of one token runs the decode step's
+// untouched); tokens after the last sequence get o = 0. Snapshots (optional, snapshot_ends and snapshot_slots
+// [P]): where a sequence s has cu_seqlens[s] < snapshot_ends[p] < cu_seqlens[s + 1], its state after the
+// tokens before snapshot_ends[p] is also written to slot snapshot_slots[p] (a prefix cache checkpoint inside
+// a chunk); an end inside no sequence is ignored. A sequence of one token runs the decode step's
 // arithmetic (gdn_state.h's delta_rule_token) instead of a whole chunk's. q and k are L2-normalised (eps 1e-6) and q scaled, as
 // `use_qk_l2norm_in_kernel=True`. Returns o [1, T, HV, V] in v's dtype; q, k and v are read where they lie
 // (any strides).
@@ -303,7 +306,9 @@ void single_token(const Inputs<T>& in, int64_t h, float* const* states, optimum_
 
 at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                              const at::Tensor& beta, at::Tensor recurrent_state, const at::Tensor& cache_idx,
-                             const at::Tensor& slots, const at::Tensor& cu_seqlens, double scale) {
+                             const at::Tensor& slots, const at::Tensor& cu_seqlens, double scale,
+                             const c10::optional<at::Tensor>& snapshot_ends,
+                             const c10::optional<at::Tensor>& snapshot_slots) {
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && k.sizes() == q.sizes(), "gdn_prefill_chunk: q, k [1, T, H, K]");
   TORCH_CHECK(v.dim() == 4 && v.size(0) == 1 && v.size(1) == q.size(1), "gdn_prefill_chunk: v [1, T, HV, V]");
   const int64_t tokens = q.size(1), k_heads = q.size(2), k_dim = q.size(3), v_heads = v.size(2), v_dim = v.size(3);
@@ -323,6 +328,24 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
   for (int64_t s = 0; s < sequences; ++s) {
     TORCH_CHECK(bounds[s] <= bounds[s + 1], "gdn_prefill_chunk: cu_seqlens must not decrease");
     first_state[s] = optimum_qwen36::slot_state(recurrent_state, layer, slot_ids.data_ptr<int64_t>()[s], "gdn_prefill_chunk");
+  }
+  // Per sequence, its snapshots in token order: (end, the snapshot slot's state).
+  std::vector<std::vector<std::pair<int64_t, float*>>> cuts(sequences);
+  TORCH_CHECK(snapshot_ends.has_value() == snapshot_slots.has_value(),
+              "gdn_prefill_chunk: snapshot_ends and snapshot_slots go together");
+  if (snapshot_ends.has_value()) {
+    const at::Tensor ends = snapshot_ends->to(at::kLong).contiguous();
+    const at::Tensor targets = snapshot_slots->to(at::kLong).contiguous();
+    TORCH_CHECK(ends.dim() == 1 && targets.sizes() == ends.sizes(),
+                "gdn_prefill_chunk: snapshot_ends and snapshot_slots [P]");
+    for (int64_t p = 0; p < ends.numel(); ++p) {
+      const int64_t end = ends.data_ptr<int64_t>()[p];
+      for (int64_t s = 0; s < sequences; ++s)
+        if (bounds[s] < end && end < bounds[s + 1])
+          cuts[s].emplace_back(end, optimum_qwen36::slot_state(recurrent_state, layer,
+                                                               targets.data_ptr<int64_t>()[p], "gdn_prefill_chunk"));
+    }
+    for (auto& cut : cuts) std::sort(cut.begin(), cut.end());
   }
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "gdn_prefill_chunk: q, k and v must have one dtype");
@@ -352,15 +375,23 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
       for (int64_t thread = begin; thread < end; ++thread)
       for (int64_t i = thread; i < int64_t(items.size()); i += threads) {
         const auto [s, h] = items[i];
-        const int64_t first = bounds[s];
-        const Inputs<scalar_t> in{q_rows.from(first), k_rows.from(first), v_rows.from(first), o_rows.from(first),
-                                  gf.data_ptr<float>() + first * v_heads, bf.data_ptr<float>() + first * v_heads,
-                                  bounds[s + 1] - first, k_heads, v_heads, k_dim, v_dim, float(scale)};
         for (int64_t r = 0; r < group; ++r) states[r] = first_state[s] + (h * group + r) * state_size;
-        if (in.tokens == 1)
-          single_token(in, h, states.data(), token_scratch, token_buffer);
-        else
-          key_head(in, h, states.data(), scratch);
+        // The sequence's tokens in parts ending at its snapshots, each part's final state copied out.
+        int64_t first = bounds[s];
+        for (size_t part = 0; part <= cuts[s].size(); ++part) {
+          const int64_t end = part < cuts[s].size() ? cuts[s][part].first : bounds[s + 1];
+          const Inputs<scalar_t> in{q_rows.from(first), k_rows.from(first), v_rows.from(first), o_rows.from(first),
+                                    gf.data_ptr<float>() + first * v_heads, bf.data_ptr<float>() + first * v_heads,
+                                    end - first, k_heads, v_heads, k_dim, v_dim, float(scale)};
+          if (in.tokens == 1)
+            single_token(in, h, states.data(), token_scratch, token_buffer);
+          else
+            key_head(in, h, states.data(), scratch);
+          if (part < cuts[s].size())
+            for (int64_t r = 0; r < group; ++r)
+              std::copy(states[r], states[r] + state_size, cuts[s][part].second + (h * group + r) * state_size);
+          first = end;
+        }
       }
     });
   });
@@ -372,7 +403,8 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
   m.def(
       "gdn_prefill_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) recurrent_state, "
-      "Tensor cache_idx, Tensor slots, Tensor cu_seqlens, float scale) -> Tensor");
+      "Tensor cache_idx, Tensor slots, Tensor cu_seqlens, float scale, Tensor? snapshot_ends=None, "
+      "Tensor? snapshot_slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
