@@ -299,3 +299,7 @@ def test_packed_prefill_snapshots_states_inside_its_sequences(name: str) -> None
     for slot in (10, 11, 3):
         assert torch.equal(cache[1, slot], states[1, slot])
     assert torch.equal(cache[0], states[0])
+    if name == "native":  # a snapshot written while another sequence runs in that slot is refused
+        args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+        with pytest.raises(RuntimeError, match="own slot"):
+            CHUNKS[name](*args, cache, 1, slots, cu_seqlens, k_dim**-0.5, ends[:1], slots[2:])

@@ -154,6 +154,31 @@ def test_engine_matches_one_process(one, two) -> None:
     assert results[0] == results[1]
 
 
+def test_checkpoints_snapshotted_inside_a_chunk_match_one_process(checkpoint: Path) -> None:
+    """tp=2 (eager) with 256-token chunks: a 200-token prompt's checkpoints at 128 (its history) and 192
+    are taken inside its one prefill call on every rank; the follow-up hits 128 and gets tp=1's tokens."""
+    history = torch.randint(1, VOCAB, (190,), generator=torch.Generator().manual_seed(7)).tolist()
+    prompt, follow_up = history + [5] * 10, history + [9] * 40
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = []
+    for degree in (1, 2):
+        model = export_eager(
+            checkpoint, prefix_caching=True, tp_degree=degree, batch_size=2, sequence_length=512,
+            prefill_chunk_size=256,
+        )  # fmt: skip
+        engine = model.create_engine()
+        engine.add_request(prompt, params, reusable_prefix=190)
+        engine.run()
+        assert engine.stats()["prefix_cache"]["checkpoints_stored"] == 2
+        request_id = engine.add_request(follow_up, params)
+        done = engine.run()[request_id]
+        assert done.cached_prompt_tokens == 128
+        outputs.append(done.output_ids)
+        del engine, model
+        gc.collect()  # the workers leave before the next group starts
+    assert outputs[0] == outputs[1]
+
+
 def test_bad_input_leaves_the_model_usable(two) -> None:
     with pytest.raises(ValueError, match="not a token of this model's vocabulary"):
         two.generate(torch.tensor([[1, 2, VOCAB + 5]]), max_new_tokens=2)

@@ -87,8 +87,7 @@ class Engine:
             prefill_chunk_size=prefill_chunk_size,
             max_model_len=cache.sequence_length,
             num_speculative_tokens=self.num_speculative_tokens,
-            # A step's chunks share a packed call (which snapshots) only without MTP: `_packable`.
-            prefill_snapshots=0 if self.num_speculative_tokens else self.runner.cache.snapshot_slots,
+            prefill_snapshots=self._prefill_snapshots(backend, cache),
         )
         self.drafter: MTPDrafter | None = None
         if self.num_speculative_tokens:
@@ -100,6 +99,13 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0  # steps that computed tokens
+
+    def _prefill_snapshots(self, backend: StepBackend, cache: Qwen36HybridCache) -> int:
+        """The checkpoint states a step's prefill can snapshot inside its chunks: the backend's, where its
+        chunks share packed calls (not with MTP: `_packable`) and the cache has the slots."""
+        if not backend.packs_prefill or self.num_speculative_tokens:
+            return 0
+        return min(backend.prefill_snapshots, cache.snapshot_slots)
 
     # ------------------------------------------------------------------ requests
     def add_request(

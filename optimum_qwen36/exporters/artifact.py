@@ -24,7 +24,7 @@ MANIFEST_NAME = "export_manifest.json"
 #    bf16 exports ran one row through decode_step graphs that Inductor had compiled for 2..batch rows only).
 # 6: where prefill takes any token count, it also packs sequences (per-sequence start_pos, num_valid, slots
 #    and block tables; 2..batch + 1 sequences), and decode_row has its own head.
-MANIFEST_FORMAT = 6
+MANIFEST_FORMAT = 7
 # SIMD extensions compiled CPU code may use. Inductor builds with -march=native, so a graph compiled on one
 # CPU may execute any of the builder's extensions: the loading CPU must have them all.
 ISA_FLAGS = (

@@ -799,7 +799,8 @@ class NeuronModelForCausalLM:
                 f"past_key_values must be the Qwen36HybridCache returned by this model's generate(), "
                 f"got {type(cache).__name__}."
             )
-        if (cache.batch_size, cache.sequence_length) != (self.neuron_config.batch_size, capacity):
+        shapes = (cache.batch_size, cache.sequence_length, cache.snapshot_slots)
+        if shapes != (self.neuron_config.batch_size, capacity, self.backend.prefill_snapshots):
             raise ValueError("past_key_values was created by a model exported with other shapes.")
         # Rows beyond this call's batch are dropped: static-batch backends run them on dummy tokens.
         cache.seq_lens[len(rows) :] = 0

@@ -156,8 +156,8 @@ class LockstepBackend:
         if name not in self.STEPS:
             return attribute
 
-        def step(*args: Any) -> Any:
-            self.lockstep.check(*describe_step(name, args))
-            return attribute(*args)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self.lockstep.check(*describe_step(name, (*args, *kwargs.items())))
+            return attribute(*args, **kwargs)
 
         return step

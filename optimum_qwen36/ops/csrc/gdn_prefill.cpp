@@ -339,11 +339,18 @@ at::Tensor gdn_prefill_chunk(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(ends.dim() == 1 && targets.sizes() == ends.sizes(),
                 "gdn_prefill_chunk: snapshot_ends and snapshot_slots [P]");
     for (int64_t p = 0; p < ends.numel(); ++p) {
-      const int64_t end = ends.data_ptr<int64_t>()[p];
-      for (int64_t s = 0; s < sequences; ++s)
-        if (bounds[s] < end && end < bounds[s + 1])
-          cuts[s].emplace_back(end, optimum_qwen36::slot_state(recurrent_state, layer,
-                                                               targets.data_ptr<int64_t>()[p], "gdn_prefill_chunk"));
+      const int64_t end = ends.data_ptr<int64_t>()[p], target = targets.data_ptr<int64_t>()[p];
+      for (int64_t s = 0; s < sequences; ++s) {
+        if (!(bounds[s] < end && end < bounds[s + 1])) continue;
+        // Written while the other sequences run: it must be nobody's state.
+        for (int64_t other = 0; other < sequences; ++other)
+          TORCH_CHECK(bounds[other] == bounds[other + 1] || target != slot_ids.data_ptr<int64_t>()[other],
+                      "gdn_prefill_chunk: a snapshot slot must not be a sequence's own slot");
+        for (int64_t q = 0; q < p; ++q)
+          TORCH_CHECK(targets.data_ptr<int64_t>()[q] != target || ends.data_ptr<int64_t>()[q] == 0,
+                      "gdn_prefill_chunk: two snapshots into one slot");
+        cuts[s].emplace_back(end, optimum_qwen36::slot_state(recurrent_state, layer, target, "gdn_prefill_chunk"));
+      }
     }
     for (auto& cut : cuts) std::sort(cut.begin(), cut.end());
   }
