@@ -321,6 +321,33 @@ def test_a_chunk_runs_past_the_checkpoints_its_call_snapshots(checkpoint, cold, 
         )
 
 
+def test_a_next_turn_resumes_where_the_answer_ended(cold, cached) -> None:
+    """A finished request leaves its last partial block and its state after its last fed token: a prompt
+    continuing its tokens (a chat's next turn) computes only what is new, from a position inside a block,
+    and gets its solo run's tokens and log-probabilities. The tail is used once: a retry of the turn
+    resumes from the checkpoint at the retried prompt's end."""
+    engine = cached.create_engine()
+    backend = engine.runner.backend = CountingBackend(engine.runner.backend)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    prompt = tokens(100, 64)
+    request_id = engine.add_request(prompt, params)
+    first = engine.run()[request_id]  # fed: 100 prompt + 29 output tokens
+    turn = prompt + first.output_ids + tokens(20, 65)
+    expected = solo(cold, turn, params)
+    for hit in (129, 128):
+        computed = backend.prefill_tokens
+        request_id = engine.add_request(turn, params)
+        warm = engine.run()[request_id]
+        assert warm.cached_prompt_tokens == hit
+        assert backend.prefill_tokens - computed == len(turn) - hit
+        assert warm.output_ids == expected.output_ids
+        torch.testing.assert_close(
+            torch.tensor(warm.output_logprobs), torch.tensor(expected.output_logprobs), atol=1e-5, rtol=0
+        )
+    stats = engine.prefix_cache.stats()
+    assert stats["tail_hits"] == 1 and stats["tails_stored"] == 3
+
+
 def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:
     """generate()'s way through the engine: the caller gets the logits of its request's next token, the
     engine computes nothing more for it until the caller appends its pick, and the others keep decoding.

@@ -108,11 +108,14 @@ def test_multi_turn_reuses_the_answer(checkpoint: Path, cold: NeuronQwen36ForCau
     prompt = tokens(100, 7)
     first = generate(model, [prompt], new=40)
     assert first.cached_tokens.tolist() == [0]
-    # Fed: 100 prompt tokens + 39 generated; the state at 128 was staged while decoding.
+    # Fed: 100 prompt tokens + 39 generated: the row left its tail (its last block's KV and the state after
+    # 139 tokens) and the state at 128, staged while decoding.
     turn2 = torch.cat([first.sequences[0], tokens(20, 8)])
     # The returned cache records the row's tokens; its blocks belong to the prefix cache, not to the row.
     assert first.past_key_values.seq_lens[0] == 139
     assert not first.past_key_values.block_tables.any()
+    assert check(model, cold, [turn2]) == [139]
+    # The tail went to that turn: a retry resumes from the staged state (its prompt-end checkpoint is there).
     assert check(model, cold, [turn2]) == [128]
 
 

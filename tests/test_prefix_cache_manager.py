@@ -49,7 +49,7 @@ def run(
     """Emulate generate() for one row: lookup, restore, chunked prefill with snapshots, decode, finish."""
     seq = cache.begin(tokens)
     hit, n = seq.cached_tokens, len(tokens)
-    assert hit % 64 == 0 and 0 <= hit < n
+    assert 0 <= hit < n and len(seq.block_ids) == -(-hit // BS)
     if hit:
         conv = torch.empty((SPEC.num_layers, *SPEC.conv_shape), dtype=SPEC.conv_dtype)
         rec = torch.empty((SPEC.num_layers, *SPEC.recurrent_shape))
@@ -81,7 +81,7 @@ def run(
         cache.commit(seq, computed)
         if cache.decode_snapshot_due(seq, computed):
             cache.stage_checkpoint(seq, computed, *fake_state(seq.token_ids[:computed]))
-    cache.finish(seq, computed)
+    cache.finish(seq, computed, fake_state(seq.token_ids[:computed]))
     if check:
         check_invariants(cache)
     return seq
@@ -102,12 +102,19 @@ def check_invariants(cache: PrefixCache) -> None:
             assert node.checkpoint.position == node.depth * BS and node.checkpoint.key == key
             ckpt_bytes += node.checkpoint.nbytes
     assert all(nodes[k].children == c for k, c in children.items())
+    tail_bytes = 0
+    for parent, tail in cache._tails.items():
+        assert tail.parent == parent and (parent == cache._root or parent in nodes), "orphan tail"
+        assert cache.pool.ref_count(tail.block) == 0 and tail.block not in cache._node_of_block
+        assert 0 < len(tail.tokens) < BS and tail.checkpoint.position % BS == len(tail.tokens)
+        tail_bytes += tail.nbytes
     stats = cache.stats()
     assert stats["kv_bytes"] == len(nodes) * KV_BYTES
     assert stats["checkpoint_bytes"] == ckpt_bytes
+    assert stats["tail_bytes"] == tail_bytes
     assert stats["bytes_used"] <= cache.config.budget_bytes
     held = {b for b in range(1, cache.pool.num_blocks) if not cache.pool._is_free[b]}
-    assert set(cache._node_of_block) <= held
+    assert set(cache._node_of_block) | {t.block for t in cache._tails.values()} <= held
     assert len(held) + cache.pool.num_free == cache.pool.num_blocks - 1
 
 
@@ -245,15 +252,81 @@ def test_multi_turn_reuses_the_generated_answer():
     prompt = toks(100, seed=7)
     answer = toks(90, seed=8)
     run(cache, prompt, generated=answer)
-    # Tokens fed: 100 prompt + 89 answer = 189; the staged state at 128 is stored at finish.
+    # Tokens fed: 100 prompt + 89 answer = 189. The finished sequence leaves its tail (tokens 128..188 in
+    # their block, the state at 189), and the state staged at 128 is stored at finish.
+    assert cache.stats()["tails"] == 1
     nxt = [*prompt, *answer, *toks(30, seed=9)]
-    seq = run(cache, nxt)
-    assert seq.cached_tokens == 128
+    seq = run(cache, nxt)  # checks that the state restored is the one after 189 tokens
+    assert seq.cached_tokens == 189 and cache.stats()["tail_hits"] == 1
+    # The tail went to that sequence (it wrote its next tokens into the block): a retry of the same turn
+    # resumes from the checkpoint at its prompt's end, a branch inside the answer from the staged state.
+    assert cache.stats()["tails"] == 0
+    assert run(cache, nxt).cached_tokens == 192
+    assert run(cache, [*prompt, *answer[:50], *toks(30, seed=11)]).cached_tokens == 128
     # An exact-multiple prompt: the state right after its prefill (position 128) is staged too.
     cache2 = make_cache(checkpoint_interval=0)
     prompt2 = toks(128, seed=10)
     run(cache2, prompt2, generated=[5, 6])
-    assert run(cache2, [*prompt2, 5, 6, 1]).cached_tokens == 128
+    assert run(cache2, [*prompt2, 4, 6, 1]).cached_tokens == 128
+    run(cache2, prompt2, generated=[5, 6])
+    assert run(cache2, [*prompt2, 5, 6, 1]).cached_tokens == 129
+
+
+def test_tails_only_of_decoded_sequences_ending_inside_a_block():
+    cache = make_cache(checkpoint_interval=0)
+    prompt = toks(100, seed=12)
+    run(cache, prompt, generated=[1])  # nothing fed past the prompt: its checkpoints are the chunked ones
+    run(cache, toks(100, seed=13), generated=toks(29, seed=14))  # 128 fed: ends on a block boundary
+    assert cache.stats()["tails"] == 0
+    seq = cache.begin(toks(70, seed=15))
+    cache.ensure_blocks(seq, 71)
+    seq.append_tokens([3, 4])
+    cache.commit(seq, 71)
+    cache.finish(seq, None, fake_state(seq.token_ids[:71]))  # nothing is cached after an error
+    assert cache.stats()["tails"] == 0
+    check_invariants(cache)
+    off = PrefixCache(
+        PrefixCacheConfig(budget_bytes=0, identity="test-model"),
+        num_blocks=16,
+        kv_bytes_per_block=KV_BYTES,
+        state_spec=SPEC,
+    )
+    run(off, prompt, generated=toks(10, seed=16))
+    assert off.stats()["tails"] == 0 and off.pool.num_free == 15
+
+
+def test_tails_are_evicted_lru_before_their_prefix_and_give_their_blocks_under_pressure():
+    # Each conversation caches a block, a checkpoint at 64 and a tail: the budget misses one state for two.
+    cache = make_cache(budget=4 * KV_BYTES + 4 * SPEC.nbytes - 1, checkpoint_interval=0)
+    a, b, answer = toks(100, seed=20), toks(100, seed=21), toks(20, seed=22)
+    run(cache, a, generated=answer)
+    run(cache, b, generated=toks(20, seed=23))
+    # b's tail made room by evicting the least recently used: a's checkpoint at 64 (stored by a's prefill,
+    # before a's tail); a's block stays below its tail.
+    stats = cache.stats()
+    assert stats["checkpoints_evicted"] == 1 and stats["tails"] == 2 and stats["blocks_evicted"] == 0
+    assert run(cache, [*a, *answer, 5]).cached_tokens == 119
+    # A pool short of free blocks takes the tails' blocks (the least recently used first).
+    small = make_cache(num_blocks=6, checkpoint_interval=0)
+    run(small, toks(100, seed=24), generated=toks(20, seed=25))  # 2 blocks: one node, one tail
+    assert small.stats()["tails"] == 1 and small.pool.num_free == 3
+    assert small.available_blocks() == 5
+    seq = small.begin(toks(300, seed=26))
+    small.ensure_blocks(seq, 300)  # 5 blocks: every free one, the node's and the tail's
+    assert small.stats()["tails"] == 0 and small.stats()["tails_evicted"] == 1
+    small.finish(seq, 300)
+    check_invariants(small)
+
+
+def test_a_corrupted_tail_is_never_used():
+    cache = make_cache(checkpoint_interval=0)
+    prompt, answer = toks(100, seed=30), toks(40, seed=31)
+    run(cache, prompt, generated=answer)
+    (tail,) = cache._tails.values()
+    tail.checkpoint.recurrent[1].zero_()
+    seq = run(cache, [*prompt, *answer, 9])
+    assert seq.cached_tokens == 128 and cache.stats()["checkpoints_invalid"] == 1  # the staged state
+    assert cache.stats()["tails"] == 0
 
 
 def test_restore_is_exact_over_random_workload():

@@ -88,6 +88,7 @@ class Engine:
             max_model_len=cache.sequence_length,
             num_speculative_tokens=self.num_speculative_tokens,
             prefill_snapshots=self._prefill_snapshots(backend, cache),
+            slot_state=self.runner.slot_state,
         )
         self.drafter: MTPDrafter | None = None
         if self.num_speculative_tokens:

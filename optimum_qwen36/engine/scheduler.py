@@ -9,8 +9,9 @@
   KV blocks of its first chunk can be had. KV blocks come from the prefix cache's one pool: a finished
   request's blocks become reusable prefix blocks (with `prefix_caching` off the cache keeps none).
 - When a decode step needs a block and none can be had, the most recently admitted request is preempted:
-  its slot and blocks are released (its computed blocks stay in the prefix cache), and it goes back to the
-  front of the queue; on resume it restores its longest prefix-cache checkpoint and recomputes the rest.
+  its slot and blocks are released (its computed blocks stay in the prefix cache, with its state after them
+  if it was decoding), and it goes back to the front of the queue; on resume it restores its longest
+  prefix-cache checkpoint and recomputes the rest.
 - A request that resumes a sequence computed earlier over the same cache (generate()'s continuation, in
   an engine without prefix caching) takes that sequence's slot and blocks when it is added, so no other
   request's chunk can take one of them first.
@@ -24,7 +25,10 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from ..prefix_caching import KERNEL_CHUNK, CachedSequence, KVBlocksExhausted, PrefixCache
 from .request import FinishReason, Request, RequestState
@@ -85,6 +89,7 @@ class Scheduler:
         max_model_len: int,
         num_speculative_tokens: int = 0,
         prefill_snapshots: int = 0,
+        slot_state: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         if max_num_batched_tokens < max_num_seqs + 1:
             raise ValueError(
@@ -98,6 +103,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.prefill_snapshots = prefill_snapshots
+        # A slot's GDN state (conv, recurrent), kept by the prefix cache when a request leaves its slot.
+        self.slot_state = slot_state
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -313,6 +320,10 @@ class Scheduler:
 
     def _release(self, entry: _Running, cache: bool) -> None:
         request = entry.request
-        self.prefix_cache.finish(entry.seq, request.cacheable_computed if cache else None)
+        end_state = None
+        # The slot holds the state after the computed tokens, unless they run past what may be cached.
+        if cache and self.slot_state is not None and request.cacheable_computed == request.num_computed:
+            end_state = self.slot_state(entry.slot)
+        self.prefix_cache.finish(entry.seq, request.cacheable_computed if cache else None, end_state)
         del self._running[request.request_id]
         self._free_slots.append(entry.slot)

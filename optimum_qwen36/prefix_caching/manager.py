@@ -15,9 +15,16 @@ returns the longest p backed by both. Checkpoint positions are multiples of ``gr
   off (a chat's history without the generation prompt, which the next turn's template renders
   differently: the last multiple before the prompt's end may lie past that point).
 
-Eviction is LRU over unreferenced leaf blocks and unpinned checkpoints: only leaves go, so a
-checkpoint never outlives its KV prefix (a block's checkpoint is dropped with it), and blocks used
-by in-flight sequences are never evicted. Nothing is registered or stored beyond the budget.
+A sequence that decoded also leaves a *tail* at finish: its partial last block (the KV of its tokens
+past the last full block) and the GDN state after its last computed token, hung on the chain key of
+the full blocks before it. A later prompt that continues those exact tokens (a chat's next turn, a
+preempted request resuming) takes the block over and restores the state, so it computes only what
+is new. A tail is used once: the taker writes its next tokens into the block. Its state is the one
+decoding reached, like the checkpoints staged while decoding (not a chunked prefill's rounding).
+
+Eviction is LRU over unreferenced leaf blocks, unpinned checkpoints and tails: only leaves go (a tail
+is a leaf below its block), so a checkpoint or tail never outlives its KV prefix, and blocks used by
+in-flight sequences are never evicted. Nothing is registered or stored beyond the budget.
 """
 
 from __future__ import annotations
@@ -84,6 +91,19 @@ class _Node:
 
 
 @dataclass(eq=False)
+class _Tail:
+    """A finished sequence's tokens past its last full block, the KV block holding them (held by the cache,
+    referenced by no sequence) and the GDN state after them."""
+
+    parent: bytes  # chain key of the full blocks before it (the root key when there are none)
+    tokens: tuple[int, ...]
+    block: int
+    checkpoint: GDNCheckpoint  # keyed by block_key(parent, tokens), at the tail's end position
+    nbytes: int  # the block's KV and the state, as the budget accounts for them
+    last_used: int = 0
+
+
+@dataclass(eq=False)
 class CachedSequence:
     """One sequence's view of the cache, from ``PrefixCache.begin`` to ``PrefixCache.finish``.
 
@@ -133,9 +153,12 @@ class PrefixCache:
         # Lazy-deletion min-heaps of (last_used, key); an entry is live when the stamp still matches.
         self._node_heap: list[tuple[int, bytes]] = []
         self._ckpt_heap: list[tuple[int, bytes]] = []
+        self._tails: dict[bytes, _Tail] = {}  # by parent chain key
+        self._tail_heap: list[tuple[int, bytes]] = []
         self._clock = itertools.count(1)
         self._kv_bytes = 0
         self._ckpt_bytes = 0
+        self._tail_bytes = 0
         self._num_checkpoints = 0
         self._counters = dict.fromkeys(
             (
@@ -147,6 +170,9 @@ class PrefixCache:
                 "checkpoints_evicted",
                 "checkpoints_invalid",
                 "checkpoints_skipped",
+                "tails_stored",
+                "tail_hits",
+                "tails_evicted",
                 "blocks_evicted",
             ),
             0,
@@ -187,13 +213,19 @@ class PrefixCache:
             if node.checkpoint.pins == 0:  # else the next lookup after its release drops it
                 self._drop_checkpoint(node)
 
+        tail = self._tail_hit(tokens, path, hit) if reuse else None
+        if tail is not None:  # the sequence takes the tail's block and state over
+            self._remove_tail(tail)
+            self._counters["tail_hits"] += 1
+            self.pool.incref(tail.block)
+            hit, checkpoint = tail.checkpoint.position, tail.checkpoint
+        elif checkpoint is not None:
+            checkpoint.pins += 1
+            self._touch_checkpoint(checkpoint)
         shared = path[: hit // bs]
         for node in shared:
             self.pool.incref(node.block)
         self._touch_path(shared)
-        if checkpoint is not None:
-            checkpoint.pins += 1
-            self._touch_checkpoint(checkpoint)
 
         end = (n - 1) // g * g
         branch = min(len(path) * bs, n - 1) // g * g
@@ -212,7 +244,7 @@ class PrefixCache:
             token_ids=tokens,
             prompt_len=n,
             cached_tokens=hit,
-            block_ids=[node.block for node in shared],
+            block_ids=[node.block for node in shared] + ([tail.block] if tail is not None else []),
             checkpoint=checkpoint,
             snapshot_positions=sorted(p for p in stops if p > hit) if self.caching else [],
             _keys=keys,
@@ -247,15 +279,14 @@ class PrefixCache:
                 "this sequence has no checkpoint to restore (cold prefill or already restored)"
             )
         seq.checkpoint.restore_into(conv_dst, recurrent_dst)
-        self._unpin(seq.checkpoint)
-        seq.checkpoint = None
+        self._release_checkpoint(seq)
 
     def available_blocks(self) -> int:
-        """Blocks a sequence could be given now: the free ones and the cached ones no sequence uses (a
-        sequence references every block of its path, so an unreferenced node's subtree is unreferenced too,
-        and all of them can be evicted, leaves first)."""
+        """Blocks a sequence could be given now: the free ones, the tails' and the cached ones no sequence
+        uses (a sequence references every block of its path, so an unreferenced node's subtree is
+        unreferenced too, and all of them can be evicted, leaves first)."""
         unused = sum(1 for node in self._nodes.values() if self.pool.ref_count(node.block) == 0)
-        return self.pool.num_free + unused
+        return self.pool.num_free + unused + len(self._tails)
 
     def ensure_blocks(self, seq: CachedSequence, num_tokens: int) -> list[int]:
         """Allocate own blocks so that the block table covers ``num_tokens`` positions; returns it. Raises
@@ -327,11 +358,18 @@ class PrefixCache:
         self._check_state(seq, position, conv, recurrent)
         seq._staged = GDNCheckpoint.capture(b"", position, conv, recurrent)
 
-    def finish(self, seq: CachedSequence, num_computed: int | None = None) -> None:
+    def finish(
+        self,
+        seq: CachedSequence,
+        num_computed: int | None = None,
+        end_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """End a sequence: register its computed blocks, store the staged state, release its references.
 
         ``num_computed``: how many of ``seq.token_ids`` have their KV and state computed
-        (None: cache nothing more, e.g. after an error).
+        (None: cache nothing more, e.g. after an error). ``end_state``: the row's conv and recurrent
+        state after exactly those tokens; a sequence that decoded keeps it as a tail with its partial
+        last block (nothing is kept when its tokens end on a block boundary).
         """
         if seq.finished:
             return
@@ -343,11 +381,13 @@ class PrefixCache:
                 if node is not None:
                     staged.key = node.key
                     self._attach(node, staged)
+        tail_block = None
+        if num_computed is not None and end_state is not None:
+            tail_block = self._keep_tail(seq, num_computed, *end_state)
         if seq.checkpoint is not None:
-            self._unpin(seq.checkpoint)
-            seq.checkpoint = None
+            self._release_checkpoint(seq)
         for block in seq.block_ids + seq._extra_refs:
-            if self.pool.decref(block) == 0:
+            if self.pool.decref(block) == 0 and block != tail_block:
                 node = self._node_of_block.get(block)
                 if node is None:
                     self.pool.free(block)  # private block (partial, duplicate or over budget)
@@ -369,7 +409,9 @@ class PrefixCache:
         c["free_blocks"] = self.pool.num_free
         c["kv_bytes"] = self._kv_bytes
         c["checkpoint_bytes"] = self._ckpt_bytes
-        c["bytes_used"] = self._kv_bytes + self._ckpt_bytes
+        c["tails"] = len(self._tails)
+        c["tail_bytes"] = self._tail_bytes
+        c["bytes_used"] = self._kv_bytes + self._ckpt_bytes + self._tail_bytes
         c["budget_bytes"] = self.config.budget_bytes
         return c
 
@@ -407,6 +449,70 @@ class PrefixCache:
         self._counters["checkpoints_stored"] += 1
         self._touch_checkpoint(ckpt)
 
+    def _keep_tail(
+        self, seq: CachedSequence, num_computed: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> int | None:
+        """Keep the finished sequence's partial last block and end state as a tail; returns the block kept."""
+        depth, rest = divmod(num_computed, self.config.block_size)
+        if not self.caching or rest == 0 or num_computed <= seq.prompt_len or seq._committed < depth:
+            return None  # on a block boundary, not decoded (exact chunked checkpoints cover prompts), or
+            # its full blocks are not all in the tree (over budget)
+        reason = self.state_spec.check(conv, recurrent)
+        if reason is not None:
+            raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
+        parent = seq._keys[depth - 1] if depth else self._root
+        replaced = self._tails.get(parent)
+        if replaced is not None:  # one tail per prefix: the latest is the one a conversation continues
+            self._remove_tail(replaced)
+            self.pool.free(replaced.block)
+        nbytes = self.kv_bytes_per_block + self.state_spec.nbytes
+        if not self._make_room(nbytes):
+            self._counters["checkpoints_skipped"] += 1
+            return None
+        tokens = tuple(seq.token_ids[depth * self.config.block_size : num_computed])
+        ckpt = GDNCheckpoint.capture(block_key(parent, tokens), num_computed, conv, recurrent)
+        tail = _Tail(parent, tokens, seq.block_ids[depth], ckpt, nbytes)
+        self._tails[parent] = tail
+        self._tail_bytes += nbytes
+        self._counters["tails_stored"] += 1
+        self._touch_tail(tail)
+        return tail.block
+
+    def _tail_hit(self, tokens: list[int], path: list[_Node], hit: int) -> _Tail | None:
+        """The deepest sound tail the prompt continues past ``hit``, short of its last token (recomputed)."""
+        bs = self.config.block_size
+        for depth in range(len(path), -1, -1):
+            tail = self._tails.get(path[depth - 1].key if depth else self._root)
+            if tail is None:
+                continue
+            end = depth * bs + len(tail.tokens)
+            if end <= hit:
+                return None  # shallower tails end earlier still
+            if end >= len(tokens) or tuple(tokens[depth * bs : end]) != tail.tokens:
+                continue
+            reason = tail.checkpoint.validate(self.state_spec, block_key(tail.parent, tail.tokens), end)
+            if reason is None:
+                return tail
+            logger.warning("prefix cache: invalid tail state at position %d not used: %s", end, reason)
+            self._counters["checkpoints_invalid"] += 1
+            self._remove_tail(tail)
+            self.pool.free(tail.block)
+        return None
+
+    def _remove_tail(self, tail: _Tail) -> None:
+        """Take the tail out of the cache (its block is then the caller's to free or hand over)."""
+        del self._tails[tail.parent]
+        self._tail_bytes -= tail.nbytes
+        node = self._nodes.get(tail.parent)
+        if node is not None and node.children == 0:
+            self._push_node(node)  # it may be a leaf again
+
+    def _release_checkpoint(self, seq: CachedSequence) -> None:
+        assert seq.checkpoint is not None
+        if seq.checkpoint.pins:  # a cached checkpoint (a tail's state belongs to the sequence that took it)
+            self._unpin(seq.checkpoint)
+        seq.checkpoint = None
+
     def _push_node(self, node: _Node) -> None:
         heapq.heappush(self._node_heap, (node.last_used, node.key))
         self._maybe_compact(self._node_heap)
@@ -432,6 +538,13 @@ class PrefixCache:
         ckpt.last_used = next(self._clock)
         self._push_checkpoint(ckpt)
 
+    def _touch_tail(self, tail: _Tail) -> None:
+        tail.last_used = next(self._clock)
+        heapq.heappush(self._tail_heap, (tail.last_used, tail.parent))
+        if len(self._tail_heap) > 2 * len(self._tails) + 1024:  # drop stale entries
+            self._tail_heap = [(t.last_used, k) for k, t in self._tails.items()]
+            heapq.heapify(self._tail_heap)
+
     def _unpin(self, ckpt: GDNCheckpoint) -> None:
         ckpt.pins -= 1
         if ckpt.pins == 0:
@@ -446,6 +559,7 @@ class PrefixCache:
                 node is not None
                 and node.last_used == stamp
                 and node.children == 0
+                and node.key not in self._tails  # a tail is a leaf below its node: it goes first
                 and self.pool.ref_count(node.block) == 0
             ):
                 return node
@@ -463,18 +577,43 @@ class PrefixCache:
             heapq.heappop(heap)
         return None
 
-    def _evict_one(self) -> bool:
-        """Evict the least recently used unreferenced leaf block or unpinned checkpoint."""
+    def _evictable_tail(self) -> _Tail | None:
+        heap = self._tail_heap
+        while heap:
+            stamp, parent = heap[0]
+            tail = self._tails.get(parent)
+            if tail is not None and tail.last_used == stamp:
+                return tail
+            heapq.heappop(heap)
+        return None
+
+    def _evict_one(self, blocks_only: bool = False) -> bool:
+        """Evict the least recently used unreferenced leaf block, tail or unpinned checkpoint (only what
+        frees a KV block with `blocks_only`)."""
         node = self._evictable_node()
-        holder = self._evictable_checkpoint()
-        if holder is not None and (node is None or holder.checkpoint.last_used < node.last_used):
-            self._drop_checkpoint(holder)
+        tail = self._evictable_tail()
+        holder = None if blocks_only else self._evictable_checkpoint()
+        candidates = [
+            (item.last_used, kind, item) for kind, item in ((0, node), (1, tail)) if item is not None
+        ]
+        if holder is not None:
+            candidates.append((holder.checkpoint.last_used, 2, holder))
+        if not candidates:
+            return False
+        _, kind, item = min(candidates, key=lambda c: c[:2])
+        if kind == 0:
+            self._evict_node(item)
+        elif kind == 1:
+            self._evict_tail(item)
+        else:
+            self._drop_checkpoint(item)
             self._counters["checkpoints_evicted"] += 1
-            return True
-        if node is not None:
-            self._evict_node(node)
-            return True
-        return False
+        return True
+
+    def _evict_tail(self, tail: _Tail) -> None:
+        self._remove_tail(tail)
+        self.pool.free(tail.block)
+        self._counters["tails_evicted"] += 1
 
     def _evict_node(self, node: _Node) -> None:
         if node.checkpoint is not None:  # its KV prefix is going: the state is useless without it
@@ -498,7 +637,7 @@ class PrefixCache:
         self._num_checkpoints -= 1
 
     def _make_room(self, nbytes: int) -> bool:
-        while self._kv_bytes + self._ckpt_bytes + nbytes > self.config.budget_bytes:
+        while self._kv_bytes + self._ckpt_bytes + self._tail_bytes + nbytes > self.config.budget_bytes:
             if not self._evict_one():
                 return False
         return True
@@ -506,12 +645,10 @@ class PrefixCache:
     def _allocate_block(self) -> int:
         block = self.pool.allocate()
         while block is None:
-            node = self._evictable_node()
-            if node is None:
+            if not self._evict_one(blocks_only=True):
                 raise KVBlocksExhausted(
                     f"KV block pool exhausted: all {self.pool.num_blocks - 1} blocks are used by in-flight "
                     "sequences; raise num_blocks or run fewer/shorter sequences at once"
                 )
-            self._evict_node(node)
             block = self.pool.allocate()
         return block
