@@ -325,7 +325,7 @@ def test_a_next_turn_resumes_where_the_answer_ended(cold, cached) -> None:
     """A finished request leaves its last partial block and its state after its last fed token: a prompt
     continuing its tokens (a chat's next turn) computes only what is new, from a position inside a block,
     and gets its solo run's tokens and log-probabilities. The tail is used once: a retry of the turn
-    resumes from the checkpoint at the retried prompt's end."""
+    resumes from the state staged at 128 while the first answer decoded."""
     engine = cached.create_engine()
     backend = engine.runner.backend = CountingBackend(engine.runner.backend)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)

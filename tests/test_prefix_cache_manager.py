@@ -87,7 +87,7 @@ def run(
     return seq
 
 
-def check_invariants(cache: PrefixCache) -> None:
+def check_invariants(cache: PrefixCache, idle: bool = False) -> None:
     nodes = cache._nodes
     children: dict[bytes, int] = dict.fromkeys(nodes, 0)
     ckpt_bytes = 0
@@ -103,8 +103,10 @@ def check_invariants(cache: PrefixCache) -> None:
             ckpt_bytes += node.checkpoint.nbytes
     assert all(nodes[k].children == c for k, c in children.items())
     tail_bytes = 0
-    for parent, tail in cache._tails.items():
-        assert tail.parent == parent and (parent == cache._root or parent in nodes), "orphan tail"
+    assert sum(len(below) for below in cache._tails_below.values()) == len(cache._tails)
+    for key, tail in cache._tails.items():
+        assert tail.key == key and tail in cache._tails_below[tail.parent]
+        assert tail.parent == cache._root or tail.parent in nodes, "orphan tail"
         assert cache.pool.ref_count(tail.block) == 0 and tail.block not in cache._node_of_block
         assert 0 < len(tail.tokens) < BS and tail.checkpoint.position % BS == len(tail.tokens)
         tail_bytes += tail.nbytes
@@ -114,7 +116,8 @@ def check_invariants(cache: PrefixCache) -> None:
     assert stats["tail_bytes"] == tail_bytes
     assert stats["bytes_used"] <= cache.config.budget_bytes
     held = {b for b in range(1, cache.pool.num_blocks) if not cache.pool._is_free[b]}
-    assert set(cache._node_of_block) | {t.block for t in cache._tails.values()} <= held
+    cached = set(cache._node_of_block) | {t.block for t in cache._tails.values()}
+    assert cached == held if idle else cached <= held  # idle: no sequence holds a block of its own
     assert len(held) + cache.pool.num_free == cache.pool.num_blocks - 1
 
 
@@ -318,6 +321,35 @@ def test_tails_are_evicted_lru_before_their_prefix_and_give_their_blocks_under_p
     check_invariants(small)
 
 
+def test_a_tail_taken_by_a_sequence_that_never_starts_goes_back():
+    """The scheduler looks a prompt up, then finds the pool short and finishes the sequence without computing
+    anything: the tail it took is the cache's again (its block and state), for the retry."""
+    cache = make_cache(checkpoint_interval=0)
+    prompt, answer = toks(100, seed=40), toks(20, seed=41)
+    run(cache, prompt, generated=answer)
+    turn = [*prompt, *answer, *toks(10, seed=42)]
+    seq = cache.begin(turn)
+    assert seq.cached_tokens == 119 and cache.stats()["tails"] == 0
+    cache.finish(seq, None)
+    assert cache.stats()["tails"] == 1
+    check_invariants(cache, idle=True)
+    assert run(cache, turn).cached_tokens == 119
+
+
+def test_conversations_branching_inside_one_block_keep_their_own_tails():
+    """Chats after a shared 90-token system prompt (their turns all inside its second block) and chats shorter
+    than a block (tails on the root) each continue from their own tail."""
+    cache = make_cache(checkpoint_interval=0)
+    system = toks(90, seed=50)
+    chats = [[*system, *toks(5, seed=51 + i)] for i in range(3)] + [toks(8, seed=60 + i) for i in range(2)]
+    answers = [toks(8, seed=70 + i) for i in range(len(chats))]
+    for chat, answer in zip(chats, answers, strict=True):
+        run(cache, chat, generated=answer)
+    assert cache.stats()["tails"] == len(chats)
+    for chat, answer in zip(chats, answers, strict=True):
+        assert run(cache, [*chat, *answer, 1, 2]).cached_tokens == len(chat) + len(answer) - 1
+
+
 def test_a_corrupted_tail_is_never_used():
     cache = make_cache(checkpoint_interval=0)
     prompt, answer = toks(100, seed=30), toks(40, seed=31)
@@ -339,14 +371,18 @@ def test_restore_is_exact_over_random_workload():
             *stem[: rng.randrange(1, len(stem) + 1)],
             *toks(rng.randrange(1, 100), seed=rng.randrange(10**6)),
         ]
-        run(
+        seq = run(
             cache,
             p,
             generated=toks(rng.randrange(0, 80), seed=rng.randrange(10**6)),
             chunk=rng.choice([64, 128, 512]),
         )
+        if rng.random() < 0.5:  # the conversation goes on: its prompt and answer, then a new message
+            stems.append([*seq.token_ids, *toks(rng.randrange(1, 40), seed=rng.randrange(10**6))])
     s = cache.stats()
     assert s["hits"] > 0 and s["blocks_evicted"] > 0 and s["checkpoints_evicted"] > 0
+    assert s["tail_hits"] > 0 and s["tails_evicted"] > 0
+    check_invariants(cache, idle=True)
 
 
 # ---------------------------------------------------------------- sharing, memory, eviction

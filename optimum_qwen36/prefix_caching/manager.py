@@ -102,6 +102,10 @@ class _Tail:
     nbytes: int  # the block's KV and the state, as the budget accounts for them
     last_used: int = 0
 
+    @property
+    def key(self) -> bytes:
+        return self.checkpoint.key
+
 
 @dataclass(eq=False)
 class CachedSequence:
@@ -123,6 +127,7 @@ class CachedSequence:
     _committed: int = 0  # leading blocks present in the tree (shared, registered or duplicates)
     _extra_refs: list[int] = field(default_factory=list)  # cached twins of private blocks, kept alive
     _staged: GDNCheckpoint | None = None  # latest decode-time state, stored at finish
+    _taken: _Tail | None = None  # the tail this sequence took over at lookup
     finished: bool = False
 
     def append_tokens(self, token_ids: Sequence[int]) -> None:
@@ -153,7 +158,8 @@ class PrefixCache:
         # Lazy-deletion min-heaps of (last_used, key); an entry is live when the stamp still matches.
         self._node_heap: list[tuple[int, bytes]] = []
         self._ckpt_heap: list[tuple[int, bytes]] = []
-        self._tails: dict[bytes, _Tail] = {}  # by parent chain key
+        self._tails: dict[bytes, _Tail] = {}  # by their own key
+        self._tails_below: dict[bytes, list[_Tail]] = {}  # by parent chain key
         self._tail_heap: list[tuple[int, bytes]] = []
         self._clock = itertools.count(1)
         self._kv_bytes = 0
@@ -249,6 +255,7 @@ class PrefixCache:
             snapshot_positions=sorted(p for p in stops if p > hit) if self.caching else [],
             _keys=keys,
             _committed=len(shared),
+            _taken=tail,
         )
 
     def adopt(self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed: int) -> CachedSequence:
@@ -373,6 +380,10 @@ class PrefixCache:
         """
         if seq.finished:
             return
+        if end_state is not None:  # before anything changes
+            reason = self.state_spec.check(*end_state)
+            if reason is not None:
+                raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
         staged, seq._staged = seq._staged, None
         if num_computed is not None:
             self.commit(seq, num_computed)
@@ -384,6 +395,8 @@ class PrefixCache:
         tail_block = None
         if num_computed is not None and end_state is not None:
             tail_block = self._keep_tail(seq, num_computed, *end_state)
+        if tail_block is None and seq._taken is not None and seq.checkpoint is seq._taken.checkpoint:
+            tail_block = self._put_back(seq._taken)  # taken but never restored (e.g. its admission failed)
         if seq.checkpoint is not None:
             self._release_checkpoint(seq)
         for block in seq.block_ids + seq._extra_refs:
@@ -457,55 +470,66 @@ class PrefixCache:
         if not self.caching or rest == 0 or num_computed <= seq.prompt_len or seq._committed < depth:
             return None  # on a block boundary, not decoded (exact chunked checkpoints cover prompts), or
             # its full blocks are not all in the tree (over budget)
-        reason = self.state_spec.check(conv, recurrent)
-        if reason is not None:
-            raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
         parent = seq._keys[depth - 1] if depth else self._root
-        replaced = self._tails.get(parent)
-        if replaced is not None:  # one tail per prefix: the latest is the one a conversation continues
-            self._remove_tail(replaced)
-            self.pool.free(replaced.block)
+        tokens = tuple(seq.token_ids[depth * self.config.block_size : num_computed])
+        for other in list(self._tails_below.get(parent, ())):
+            shorter = min(len(other.tokens), len(tokens))
+            if other.tokens[:shorter] == tokens[:shorter]:  # the same conversation's: the latest replaces it
+                self._evict_tail(other)
         nbytes = self.kv_bytes_per_block + self.state_spec.nbytes
         if not self._make_room(nbytes):
             self._counters["checkpoints_skipped"] += 1
             return None
-        tokens = tuple(seq.token_ids[depth * self.config.block_size : num_computed])
         ckpt = GDNCheckpoint.capture(block_key(parent, tokens), num_computed, conv, recurrent)
         tail = _Tail(parent, tokens, seq.block_ids[depth], ckpt, nbytes)
-        self._tails[parent] = tail
-        self._tail_bytes += nbytes
+        self._add_tail(tail)
         self._counters["tails_stored"] += 1
-        self._touch_tail(tail)
         return tail.block
+
+    def _put_back(self, tail: _Tail) -> int | None:
+        """Return a taken tail nobody used to the cache (its block too); None if it no longer fits."""
+        if not self._make_room(tail.nbytes):
+            return None
+        self._add_tail(tail)
+        return tail.block
+
+    def _add_tail(self, tail: _Tail) -> None:
+        self._tails[tail.key] = tail
+        self._tails_below.setdefault(tail.parent, []).append(tail)
+        self._tail_bytes += tail.nbytes
+        self._touch_tail(tail)
 
     def _tail_hit(self, tokens: list[int], path: list[_Node], hit: int) -> _Tail | None:
         """The deepest sound tail the prompt continues past ``hit``, short of its last token (recomputed)."""
         bs = self.config.block_size
         for depth in range(len(path), -1, -1):
-            tail = self._tails.get(path[depth - 1].key if depth else self._root)
-            if tail is None:
-                continue
-            end = depth * bs + len(tail.tokens)
-            if end <= hit:
-                return None  # shallower tails end earlier still
-            if end >= len(tokens) or tuple(tokens[depth * bs : end]) != tail.tokens:
-                continue
-            reason = tail.checkpoint.validate(self.state_spec, block_key(tail.parent, tail.tokens), end)
-            if reason is None:
-                return tail
-            logger.warning("prefix cache: invalid tail state at position %d not used: %s", end, reason)
-            self._counters["checkpoints_invalid"] += 1
-            self._remove_tail(tail)
-            self.pool.free(tail.block)
+            if depth * bs + bs <= hit:
+                return None  # tails below end earlier still
+            below = self._tails_below.get(path[depth - 1].key if depth else self._root, ())
+            for tail in sorted(below, key=lambda t: -len(t.tokens)):
+                end = depth * bs + len(tail.tokens)
+                if end <= hit or end >= len(tokens) or tuple(tokens[depth * bs : end]) != tail.tokens:
+                    continue
+                reason = tail.checkpoint.validate(self.state_spec, tail.key, end)
+                if reason is None:
+                    return tail
+                logger.warning("prefix cache: invalid tail state at position %d not used: %s", end, reason)
+                self._counters["checkpoints_invalid"] += 1
+                self._remove_tail(tail)
+                self.pool.free(tail.block)
         return None
 
     def _remove_tail(self, tail: _Tail) -> None:
         """Take the tail out of the cache (its block is then the caller's to free or hand over)."""
-        del self._tails[tail.parent]
+        del self._tails[tail.key]
+        below = self._tails_below[tail.parent]
+        below.remove(tail)
         self._tail_bytes -= tail.nbytes
-        node = self._nodes.get(tail.parent)
-        if node is not None and node.children == 0:
-            self._push_node(node)  # it may be a leaf again
+        if not below:
+            del self._tails_below[tail.parent]
+            node = self._nodes.get(tail.parent)
+            if node is not None and node.children == 0:
+                self._push_node(node)  # it may be a leaf again
 
     def _release_checkpoint(self, seq: CachedSequence) -> None:
         assert seq.checkpoint is not None
@@ -540,7 +564,7 @@ class PrefixCache:
 
     def _touch_tail(self, tail: _Tail) -> None:
         tail.last_used = next(self._clock)
-        heapq.heappush(self._tail_heap, (tail.last_used, tail.parent))
+        heapq.heappush(self._tail_heap, (tail.last_used, tail.key))
         if len(self._tail_heap) > 2 * len(self._tails) + 1024:  # drop stale entries
             self._tail_heap = [(t.last_used, k) for k, t in self._tails.items()]
             heapq.heapify(self._tail_heap)
@@ -559,7 +583,7 @@ class PrefixCache:
                 node is not None
                 and node.last_used == stamp
                 and node.children == 0
-                and node.key not in self._tails  # a tail is a leaf below its node: it goes first
+                and node.key not in self._tails_below  # a tail is a leaf below its node: it goes first
                 and self.pool.ref_count(node.block) == 0
             ):
                 return node
@@ -580,8 +604,8 @@ class PrefixCache:
     def _evictable_tail(self) -> _Tail | None:
         heap = self._tail_heap
         while heap:
-            stamp, parent = heap[0]
-            tail = self._tails.get(parent)
+            stamp, key = heap[0]
+            tail = self._tails.get(key)
             if tail is not None and tail.last_used == stamp:
                 return tail
             heapq.heappop(heap)
