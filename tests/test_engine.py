@@ -348,6 +348,21 @@ def test_a_next_turn_resumes_where_the_answer_ended(cold, cached) -> None:
     assert stats["tail_hits"] == 1 and stats["tails_stored"] == 3
 
 
+def test_a_preempted_request_leaves_no_tail(cold, cached) -> None:
+    """A decode preempts a later request only when no block can be had: the victim's partial last block goes
+    straight back to the pool (a tail would hold it and be evicted at once), so only the two requests that
+    finish leave tails; the victim, resumed, gets its solo tokens."""
+    engine = cached.create_engine(num_kv_blocks=3)  # two usable blocks of 64 positions
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [tokens(40, 90), tokens(30, 91)]
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = engine.run()
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache"]["tails_stored"] == 2
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert outputs[request_id].output_ids == solo(cold, prompt, params).output_ids
+
+
 def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:
     """generate()'s way through the engine: the caller gets the logits of its request's next token, the
     engine computes nothing more for it until the caller appends its pick, and the others keep decoding.

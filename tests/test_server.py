@@ -391,7 +391,7 @@ def test_with_preserve_thinking_the_next_turn_reuses_the_answer(client, model) -
     messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "More?"}]
     follow_up = chat(client, messages, max_tokens=2, extra_body=extra)
     cached = follow_up.usage.prompt_tokens_details.cached_tokens
-    assert cached == computed
+    assert cached == computed and computed % 64  # not a checkpoint position: only the tail ends there
 
 
 def test_concurrent_streaming_clients_match_their_solo_outputs(client) -> None:

@@ -9,9 +9,10 @@
   KV blocks of its first chunk can be had. KV blocks come from the prefix cache's one pool: a finished
   request's blocks become reusable prefix blocks (with `prefix_caching` off the cache keeps none).
 - When a decode step needs a block and none can be had, the most recently admitted request is preempted:
-  its slot and blocks are released (its computed blocks stay in the prefix cache, with its state after them
-  if it was decoding), and it goes back to the front of the queue; on resume it restores its longest
-  prefix-cache checkpoint and recomputes the rest.
+  its slot and blocks are released (its computed blocks stay in the prefix cache), and it goes back to the
+  front of the queue; on resume it restores its longest prefix-cache checkpoint and recomputes the rest. A
+  request that finishes or is aborted after decoding also leaves the prefix cache its tail (its partial last
+  block and the slot's state); a preempted one does not (that block is what frees without evicting).
 - A request that resumes a sequence computed earlier over the same cache (generate()'s continuation, in
   an engine without prefix caching) takes that sequence's slot and blocks when it is added, so no other
   request's chunk can take one of them first.
@@ -103,7 +104,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.prefill_snapshots = prefill_snapshots
-        # A slot's GDN state (conv, recurrent), kept by the prefix cache when a request leaves its slot.
+        # A slot's GDN state (conv, recurrent), kept by the prefix cache when a request ends after decoding.
         self.slot_state = slot_state
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
@@ -275,7 +276,9 @@ class Scheduler:
 
     def _preempt(self, entry: _Running, plan: StepPlan) -> None:
         request = entry.request
-        self._release(entry, cache=True)
+        # Its computed blocks stay cached, but no tail: the pool is short of blocks, and its partial last
+        # block is the one that frees without evicting anything.
+        self._release(entry, cache=True, keep_tail=False)
         request.state = RequestState.WAITING
         request.num_computed = 0
         request.num_preemptions += 1
@@ -318,11 +321,12 @@ class Scheduler:
         self.finish(entry.request, FinishReason.ABORT, cache=cache)
         return entry.request
 
-    def _release(self, entry: _Running, cache: bool) -> None:
+    def _release(self, entry: _Running, cache: bool, keep_tail: bool = True) -> None:
         request = entry.request
         end_state = None
         # The slot holds the state after the computed tokens, unless they run past what may be cached.
-        if cache and self.slot_state is not None and request.cacheable_computed == request.num_computed:
+        computed = request.cacheable_computed == request.num_computed
+        if cache and keep_tail and self.slot_state is not None and computed:
             end_state = self.slot_state(entry.slot)
         self.prefix_cache.finish(entry.seq, request.cacheable_computed if cache else None, end_state)
         del self._running[request.request_id]

@@ -17,8 +17,8 @@ returns the longest p backed by both. Checkpoint positions are multiples of ``gr
 
 A sequence that decoded also leaves a *tail* at finish: its partial last block (the KV of its tokens
 past the last full block) and the GDN state after its last computed token, hung on the chain key of
-the full blocks before it. A later prompt that continues those exact tokens (a chat's next turn, a
-preempted request resuming) takes the block over and restores the state, so it computes only what
+the full blocks before it. A later prompt that continues those exact tokens (a chat's next turn)
+takes the block over and restores the state, so it computes only what
 is new. A tail is used once: the taker writes its next tokens into the block. Its state is the one
 decoding reached, like the checkpoints staged while decoding (not a chunked prefill's rounding).
 
