@@ -314,6 +314,13 @@ def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilatio
         assert torch.equal(output.sequences, cold.sequences)
         for a, b in zip(output.logits, cold.logits, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # A next turn continues the first row (100 + 7 fed tokens): it resumes from its tail, inside a block.
+    turn = torch.cat([warm.sequences[0], input_ids[1, -5:]])[None]
+    kwargs.pop("attention_mask")
+    cold_turn, warm_turn = model.generate(turn, **kwargs), cached.generate(turn, **kwargs)
+    assert warm_turn.cached_tokens.tolist() == [107] and torch.equal(warm_turn.sequences, cold_turn.sequences)
+    for a, b in zip(warm_turn.logits, cold_turn.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_decode_runs_only_the_callers_rows(exported, no_compilation) -> None:
