@@ -432,20 +432,14 @@ class Engine:
             request = chunk.request
             tokens = request.token_ids[chunk.start : chunk.end]
             table = self._table(request)
-            inside = self._snapshots_inside(chunk)
             slot = self.scheduler.slot_of(request)
-            sequences.append(PackedChunk(tokens, chunk.start, slot, table, inside))
+            sequences.append(PackedChunk(tokens, chunk.start, slot, table, chunk.snapshots))
         logits = self.runner.prefill_packed(sequences)
         taken = itertools.count()
         for chunk, sequence in zip(chunks, sequences, strict=True):
             states = {p: self.runner.snapshot_state(next(taken)) for p in sorted(sequence.snapshots)}
             self._computed(chunk.request, chunk.end, snapshots=states)
         return logits
-
-    def _snapshots_inside(self, chunk: PrefillChunk) -> list[int]:
-        """The prefix cache's checkpoint positions inside the chunk (the scheduler let it run past them)."""
-        positions = self.scheduler.sequence_of(chunk.request).snapshot_positions
-        return [p for p in positions if chunk.start < p < chunk.end]
 
     def _prefill(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's logits after its last token, and (speculative decoding) its hidden states."""

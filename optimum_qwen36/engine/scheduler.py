@@ -42,6 +42,8 @@ class PrefillChunk:
     request: Request
     start: int
     num_tokens: int
+    # Prefix cache checkpoint positions strictly inside the chunk: the call snapshots the state there.
+    snapshots: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -206,8 +208,9 @@ class Scheduler:
             if end <= start:
                 return  # too little budget left for an exact chunk: next step
         if self._reserve(entry, end, plan, decode=False):
-            plan.prefills.append(PrefillChunk(request, start, end - start))
-            plan.num_snapshots += sum(1 for p in stops if p < end)
+            inside = [p for p in stops if p < end]
+            plan.prefills.append(PrefillChunk(request, start, end - start, inside))
+            plan.num_snapshots += len(inside)
 
     def _admit(self, request: Request, budget: int) -> _Running | None:
         """Admit the request if its first chunk's blocks can be had without preempting anyone."""
@@ -325,8 +328,8 @@ class Scheduler:
         request = entry.request
         end_state = None
         # The slot holds the state after the computed tokens, unless they run past what may be cached.
-        computed = request.cacheable_computed == request.num_computed
-        if cache and keep_tail and self.slot_state is not None and computed:
+        all_cacheable = request.cacheable_computed == request.num_computed
+        if cache and keep_tail and self.slot_state is not None and all_cacheable:
             end_state = self.slot_state(entry.slot)
         self.prefix_cache.finish(entry.seq, request.cacheable_computed if cache else None, end_state)
         del self._running[request.request_id]

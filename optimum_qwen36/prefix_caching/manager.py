@@ -381,9 +381,7 @@ class PrefixCache:
         if seq.finished:
             return
         if end_state is not None:  # before anything changes
-            reason = self.state_spec.check(*end_state)
-            if reason is not None:
-                raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
+            self._check_spec(*end_state)
         staged, seq._staged = seq._staged, None
         if num_computed is not None:
             self.commit(seq, num_computed)
@@ -438,6 +436,9 @@ class PrefixCache:
                 f"checkpoint position must be a positive multiple of {g} within the sequence's "
                 f"{len(seq.token_ids)} tokens, got {position}"
             )
+        self._check_spec(conv, recurrent)
+
+    def _check_spec(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         reason = self.state_spec.check(conv, recurrent)
         if reason is not None:
             raise ValueError(f"GDN state does not match the cache's state spec: {reason}")
@@ -515,8 +516,7 @@ class PrefixCache:
                     return tail
                 logger.warning("prefix cache: invalid tail state at position %d not used: %s", end, reason)
                 self._counters["checkpoints_invalid"] += 1
-                self._remove_tail(tail)
-                self.pool.free(tail.block)
+                self._drop_tail(tail)
         return None
 
     def _remove_tail(self, tail: _Tail) -> None:
@@ -546,11 +546,14 @@ class PrefixCache:
         self._maybe_compact(self._ckpt_heap)
 
     def _maybe_compact(self, heap: list[tuple[int, bytes]]) -> None:
-        if len(heap) > 2 * len(self._nodes) + 1024:  # drop stale entries so the heaps stay bounded
+        if (
+            len(heap) > 2 * (len(self._nodes) + len(self._tails)) + 1024
+        ):  # drop stale entries: heaps stay bounded
             self._node_heap = [(n.last_used, k) for k, n in self._nodes.items()]
             self._ckpt_heap = [(n.checkpoint.last_used, k) for k, n in self._nodes.items() if n.checkpoint]
-            heapq.heapify(self._node_heap)
-            heapq.heapify(self._ckpt_heap)
+            self._tail_heap = [(t.last_used, k) for k, t in self._tails.items()]
+            for rebuilt in (self._node_heap, self._ckpt_heap, self._tail_heap):
+                heapq.heapify(rebuilt)
 
     def _touch_path(self, nodes: list[_Node]) -> None:
         # Deepest first, so shared prefixes end up more recent than the branches below them.
@@ -565,9 +568,7 @@ class PrefixCache:
     def _touch_tail(self, tail: _Tail) -> None:
         tail.last_used = next(self._clock)
         heapq.heappush(self._tail_heap, (tail.last_used, tail.key))
-        if len(self._tail_heap) > 2 * len(self._tails) + 1024:  # drop stale entries
-            self._tail_heap = [(t.last_used, k) for k, t in self._tails.items()]
-            heapq.heapify(self._tail_heap)
+        self._maybe_compact(self._tail_heap)
 
     def _unpin(self, ckpt: GDNCheckpoint) -> None:
         ckpt.pins -= 1
@@ -635,9 +636,12 @@ class PrefixCache:
         return True
 
     def _evict_tail(self, tail: _Tail) -> None:
+        self._drop_tail(tail)
+        self._counters["tails_evicted"] += 1
+
+    def _drop_tail(self, tail: _Tail) -> None:
         self._remove_tail(tail)
         self.pool.free(tail.block)
-        self._counters["tails_evicted"] += 1
 
     def _evict_node(self, node: _Node) -> None:
         if node.checkpoint is not None:  # its KV prefix is going: the state is useless without it
