@@ -582,11 +582,15 @@ def test_logit_bias_adds_to_the_named_tokens_of_its_row_only() -> None:
         SamplingRow(SamplingParams(temperature=0, logit_bias=bias), [1], [], (), request_generator(0)),
         SamplingRow(SamplingParams(temperature=0), [1], [], (), request_generator(0)),
     ]
+    before = logits.clone()
     ours = apply_penalties(logits, rows)
     expected = logits.clone()
     for token, value in bias.items():
         expected[0, token] += value
     torch.testing.assert_close(ours, expected)
+    assert torch.equal(logits, before)  # the step's logits are never modified
+    # rows with nothing to apply get the step's logits themselves back, not a copy
+    assert apply_penalties(logits, [rows[1], rows[1]]) is logits
     # OpenAI's rule: +100 all but forces a token; the returned log-probability stays the model's own.
     picked = sample(logits, rows)
     assert picked.tokens.tolist() == [3, int(logits[1].argmax())]

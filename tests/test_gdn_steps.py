@@ -204,6 +204,26 @@ def test_prefill_chunk_padding_leaves_the_state_at_the_last_real_token(name: str
     assert max_rel_error(states[0, slot], expected_state[:, 0]) <= 1e-5
 
 
+@pytest.mark.skipif("native" not in CHUNKS, reason="the native CPU kernels cannot be built here")
+@pytest.mark.parametrize("real", [5, 17, 50, 64 + 20])
+def test_native_partial_chunk_equals_the_chunk_padded_to_full_bitwise(real: int) -> None:
+    """The native op computes a partial last chunk of n tokens on n rounded up to 16 rows: its outputs and
+    state equal, bitwise, those of the same tokens followed by zero-gate padding to whole chunks (which
+    it computes on every row), whatever q, k, v the padding carries."""
+    padded_length = (real + 63) // 64 * 64
+    inputs = make_gdn_inputs(1, padded_length, 2, 4, 128, 128, seed=real, normalize_qk=False, a_log_max=4.0)
+    padded = dict(inputs)
+    for name in ("g", "beta"):
+        padded[name] = torch.cat([inputs[name][:, :real], torch.zeros_like(inputs[name][:, real:])], 1)
+    states = torch.randn(1, 2, 4, 128, 128, generator=torch.Generator().manual_seed(5))
+    short_states, slot = states.clone(), torch.tensor([1])
+    names = ("q", "k", "v", "g", "beta")
+    o_padded = CHUNKS["native"](*(padded[n] for n in names), states, 0, slot, None, 0.1)
+    o_short = CHUNKS["native"](*(inputs[n][:, :real] for n in names), short_states, 0, slot, None, 0.1)
+    assert torch.equal(o_short, o_padded[:, :real])
+    assert torch.equal(short_states, states)
+
+
 @pytest.mark.parametrize("name", list(CHUNKS))
 def test_prefill_chunk_reads_slices_of_the_conv_output_in_place(name: str) -> None:
     """q, k, v as the model passes them (bf16 slices of the channel-major conv output): the same output and

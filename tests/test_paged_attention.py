@@ -106,6 +106,23 @@ def test_keys_a_query_cannot_see_change_nothing(dtype: torch.dtype) -> None:
     assert torch.equal(out, noisy)
 
 
+@needs_native
+def test_a_query_alone_equals_it_among_a_prefills_queries_bitwise() -> None:
+    """bf16: keys are packed once for a sequence whose queries fill several work items (a prefill chunk) and
+    block by block for one of a single item (a decode row); both read the same packed values, and each
+    query row's products are its own, so every query of a 70-token chunk gets, bitwise, what it gets as
+    the one token of a decode step over the same keys."""
+    query, key_cache, value_cache, layer, block_tables, positions, scale = _case(
+        1, 70, 8, 2, 256, 16, 24, [230], dtype=torch.bfloat16, seed=7
+    )
+    chunk = paged_attention_native(query, key_cache, value_cache, layer, block_tables, positions, scale)
+    for t in (0, 15, 16, 47, 69):
+        alone = paged_attention_native(
+            query[:, t : t + 1], key_cache, value_cache, layer, block_tables, positions[:, t : t + 1], scale
+        )
+        assert torch.equal(alone, chunk[:, t : t + 1])
+
+
 def _packed_case(dtype: torch.dtype) -> tuple:
     """Sequences of 70, 1, 0, 33 and 1 queries at their own positions over their own scattered blocks, packed
     along the tokens, plus 3 tokens after the last sequence."""

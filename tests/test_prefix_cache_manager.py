@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +205,22 @@ def test_checkpoint_validation_catches_corruption():
     assert "dtype" in ck.validate(SPEC, b"k", 64)
     # Checksums are exact integer sums: independent of the reduction order.
     assert torch.equal(layer_checksums(rec), layer_checksums(rec.clone()))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "word_bytes"),
+    [((3, 4, 8, 8), torch.float32, 8), ((3, 6, 3), torch.bfloat16, 4), ((3, 5, 3), torch.bfloat16, 2)],
+)
+def test_layer_checksums_are_wrapping_sums_of_each_layers_widest_words(shape, dtype, word_bytes):
+    state = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e4).to(dtype)
+    words = state.reshape(shape[0], -1).view(torch.uint8).numpy().view(f"<u{word_bytes}")
+    modulus = 2 ** (8 * word_bytes)
+    expected = [int(layer) % modulus for layer in words.astype(np.uint64).sum(axis=1)]  # numpy: independent
+    assert [int(checksum) % modulus for checksum in layer_checksums(state)] == expected
+    for layer in range(shape[0]):  # any one changed element shows in its layer's sum only
+        changed = state.clone()
+        changed[layer].view(-1)[-1] = changed[layer].view(-1)[-1] * 2 + 1
+        assert (layer_checksums(changed) != layer_checksums(state)).nonzero().flatten().tolist() == [layer]
 
 
 # ---------------------------------------------------------------- lookup policy

@@ -171,24 +171,30 @@ def _column(rows: Sequence[SamplingRow], name: str) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """repetition_penalty (prompt and output tokens, transformers' rule), then presence and frequency
     penalties (output tokens, OpenAI's rule), then logit_bias, then min_tokens and the row's constraint; rows
-    without them are untouched."""
-    logits = logits.clone()
+    without them are untouched. `logits` itself is never modified: where no row has any of them it is what
+    comes back (a copy of a step's logits costs more than their argmax)."""
     vocab = logits.shape[-1]
+    copied = False
     repetition = _column(rows, "repetition_penalty")
     if (repetition != 1).any():
         seen = _seen_mask(rows, vocab, include_prompt=True)
         penalty = repetition[:, None].expand_as(logits)
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, scaled, logits)
+        logits, copied = torch.where(seen, scaled, logits), True
     presence, frequency = _column(rows, "presence_penalty"), _column(rows, "frequency_penalty")
     if (presence != 0).any() or (frequency != 0).any():
         counts = _output_counts(rows, vocab)
-        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        logits, copied = logits - (frequency[:, None] * counts + presence[:, None] * (counts > 0)), True
     for i, row in enumerate(rows):
+        suppress_stops = len(row.output_ids) < row.params.min_tokens and row.stop_ids
+        if not (row.params.logit_bias or suppress_stops or row.constraint is not None):
+            continue
+        if not copied:
+            logits, copied = logits.clone(), True
         if row.params.logit_bias:
             ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long)
             logits[i].index_add_(0, ids, torch.tensor(list(row.params.logit_bias.values())))
-        if len(row.output_ids) < row.params.min_tokens and row.stop_ids:
+        if suppress_stops:
             logits[i, torch.tensor(list(row.stop_ids), dtype=torch.long)] = float("-inf")
         allowed = row.constraint.allowed_tokens(vocab) if row.constraint is not None else None
         if allowed is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Integer views used to checksum raw bits: sums of integers are exact and independent of the
+# Integer views used to checksum raw bits: sums of integers modulo 2^bits are exact and independent of the
 # reduction order (a float sum is neither), so the checksum is reproducible on any device/thread count.
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -58,14 +58,18 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def layer_checksums(state: torch.Tensor) -> torch.Tensor:
-    """Per-layer (dim 0) sums of the state's raw bits as int64, shape [num_layers].
+    """Per-layer (dim 0) sums of the state's raw bits, shape [num_layers] int64.
 
-    Zeroing, truncating or altering any element of a layer changes that layer's sum (barring an
-    exact cancellation); one pass over the data, one layer at a time to bound temporary memory.
+    Each layer's bytes are read as the widest integer words its size allows (8, else 4 bytes, else the element
+    size) and summed in that word's own width, wrapping: changing any one word changes the sum, and no widened
+    copy of the state is made (a widening sum runs ~30x slower than the copy this validates, and it is on the
+    path of every prefix cache hit).
     """
-    word = _WORD_DTYPES[state.element_size()]
-    flat = state.detach().reshape(state.shape[0], -1)
-    return torch.stack([flat[i].view(word).to(torch.int64).sum() for i in range(flat.shape[0])]).cpu()
+    flat = state.detach().reshape(state.shape[0], -1).contiguous()
+    layer_bytes = flat.shape[1] * flat.element_size()
+    size = next(size for size in (8, 4, flat.element_size()) if layer_bytes % size == 0)
+    words = flat.view(torch.uint8).view(_WORD_DTYPES[size])
+    return words.sum(dim=1, dtype=_WORD_DTYPES[size]).to(torch.int64).cpu()
 
 
 @dataclass(eq=False)

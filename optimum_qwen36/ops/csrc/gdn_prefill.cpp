@@ -161,15 +161,15 @@ struct Scratch {
 };
 
 // G_ij = e^(c_i - c_j) (j <= i, else 0); A = diag(beta) (K K^T . G) strictly below the diagonal; the causal
-// attention Q K^T . G (diagonal included). c in float64: c_i - c_j rounds once.
-void decay_products(const double* cum, const float* beta, Scratch& s) {
-  for (int64_t i = 0; i < kChunk; ++i) {
+// attention Q K^T . G (diagonal included), for i, j < m. c in float64: c_i - c_j rounds once.
+void decay_products(const double* cum, const float* beta, int64_t m, Scratch& s) {
+  for (int64_t i = 0; i < m; ++i) {
     float* a = s.a.data() + i * kChunk;
     float* attn = s.attn.data() + i * kChunk;
     const float* kk = s.kk.data() + i * kChunk;
     const float* qk = s.qk.data() + i * kChunk;
 #ifdef QWEN36_F32_VECTOR
-    for (int64_t j = 0; j < kChunk; j += kLanes) {
+    for (int64_t j = 0; j < m; j += kLanes) {
       const f32::Vec gamma =
           f32::first_lanes(f32::exp_nonpositive(f32::min(f32::differences(cum[i], cum + j), f32::zero())), i - j + 1);
       const f32::Vec beta_kk = f32::mul(f32::set1(beta[i]), f32::load(kk + j));
@@ -177,7 +177,7 @@ void decay_products(const double* cum, const float* beta, Scratch& s) {
       f32::store(attn + j, f32::mul(f32::load(qk + j), gamma));
     }
 #else
-    for (int64_t j = 0; j < kChunk; ++j) {
+    for (int64_t j = 0; j < m; ++j) {
       const float gamma = j <= i ? std::exp(float(cum[i] - cum[j])) : 0.0f;
       a[j] = j < i ? beta[i] * kk[j] * gamma : 0.0f;
       attn[j] = qk[j] * gamma;
@@ -186,14 +186,15 @@ void decay_products(const double* cum, const float* beta, Scratch& s) {
   }
 }
 
-// x <- (I + A)^-1 x for A strictly lower triangular [C, C] and x [C, V] (V a multiple of 16): row i minus
-// sum_{j<i} A_ij x_j, rows in order (forward substitution), 4 vectors of columns at a time kept in registers.
-void forward_substitute(const float* a, float* x, int64_t V) {
+// x <- (I + A)^-1 x for A strictly lower triangular [m, m] (row stride C) and x [m, V] (V a multiple of 16):
+// row i minus sum_{j<i} A_ij x_j, rows in order (forward substitution), 4 vectors of columns at a time kept in
+// registers.
+void forward_substitute(const float* a, float* x, int64_t m, int64_t V) {
 #ifdef QWEN36_F32_VECTOR
   constexpr int kColumns = 4;  // vectors of x per pass: independent chains of FMAs
   for (int64_t n = 0; n < V; n += kLanes) {
     const int nv = int(std::min<int64_t>(kColumns, (V - n) / kLanes));
-    for (int64_t i = 1; i < kChunk; ++i) {
+    for (int64_t i = 1; i < m; ++i) {
       f32::Vec acc[kColumns];
       for (int v = 0; v < nv; ++v) acc[v] = f32::load(x + i * V + n + kLanes * v);
       for (int64_t j = 0; j < i; ++j) {
@@ -205,7 +206,7 @@ void forward_substitute(const float* a, float* x, int64_t V) {
     n += kLanes * (nv - 1);
   }
 #else
-  for (int64_t i = 1; i < kChunk; ++i)
+  for (int64_t i = 1; i < m; ++i)
     for (int64_t j = 0; j < i; ++j)
       for (int64_t d = 0; d < V; ++d) x[i * V + d] -= a[i * kChunk + j] * x[j * V + d];
 #endif
@@ -219,6 +220,9 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
   float* queries = s.kq.data() + kChunk * K;  // [C, K], scaled
   for (int64_t t0 = 0; t0 < in.tokens; t0 += kChunk) {
     const int64_t n = std::min(kChunk, in.tokens - t0);
+    // A partial chunk computes on its first m rows only: the rows past n are zeros (keys, queries) and carry
+    // g = beta = 0, so every product over them adds exact zeros and the first m rows come out the same.
+    const int64_t m = (n + 15) / 16 * 16;
     std::fill(s.kq.begin(), s.kq.end(), 0.0f);  // a partial chunk: zero rows past n
     in.k.load(t0, n, h, K, keys);
     in.q.load(t0, n, h, K, queries);
@@ -226,11 +230,11 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
       optimum_qwen36::normalise(keys + i * K, K, 1.0f);
       optimum_qwen36::normalise(queries + i * K, K, in.scale);
     }
-    for (int64_t i = 0; i < kChunk; ++i)
+    for (int64_t i = 0; i < m; ++i)
       for (int64_t d = 0; d < K; ++d) s.k_t[d * kChunk + i] = keys[i * K + d];
     // K K^T and (scale Q) K^T, lower triangles (diagonal included)
-    gemm(kChunk, kChunk, K, keys, K, 1, s.k_t.data(), kChunk, s.kk.data(), kChunk, false);
-    gemm(kChunk, kChunk, K, queries, K, 1, s.k_t.data(), kChunk, s.qk.data(), kChunk, false);
+    gemm(m, m, K, keys, K, 1, s.k_t.data(), kChunk, s.kk.data(), kChunk, false);
+    gemm(m, m, K, queries, K, 1, s.k_t.data(), kChunk, s.qk.data(), kChunk, false);
     for (int64_t r = 0; r < group; ++r) {
       const int64_t hv = h * group + r;
       float* state = states[r];
@@ -245,13 +249,14 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
         beta[i] = real ? in.beta[(t0 + i) * in.v_heads + hv] : 0.0f;
         exp_cum[i] = std::exp(float(running));
       }
-      decay_products(cum, beta, s);
-      // [k S; q S]: both read S once
+      decay_products(cum, beta, m, s);
+      // k S and q S
       float* k_reads = s.reads.data();
       float* q_reads = s.reads.data() + kChunk * V;
-      gemm(2 * kChunk, V, K, s.kq.data(), K, 1, state, V, s.reads.data(), V, false);
+      gemm(m, V, K, keys, K, 1, state, V, k_reads, V, false);
+      gemm(m, V, K, queries, K, 1, state, V, q_reads, V, false);
       // x = (I + A)^-1 diag(beta) (v - e^c k S), row by row (forward substitution)
-      for (int64_t i = 0; i < kChunk; ++i) {
+      for (int64_t i = 0; i < m; ++i) {
         float* xi = s.x.data() + i * V;
         if (i >= n) {
           std::fill_n(xi, V, 0.0f);
@@ -261,24 +266,24 @@ void key_head(const Inputs<T>& in, int64_t h, float* const* states, Scratch& s) 
         for (int64_t d = 0; d < V; ++d)
           xi[d] = beta[i] * (float(vi[d * in.v.dim_stride]) - exp_cum[i] * k_reads[i * V + d]);
       }
-      forward_substitute(s.a.data(), s.x.data(), V);
+      forward_substitute(s.a.data(), s.x.data(), m, V);
       // o = e^c q S + attn x
-      for (int64_t i = 0; i < kChunk; ++i)
+      for (int64_t i = 0; i < m; ++i)
         for (int64_t d = 0; d < V; ++d) q_reads[i * V + d] *= exp_cum[i];
-      gemm(kChunk, V, kChunk, s.attn.data(), kChunk, 1, s.x.data(), V, q_reads, V, true, true);
+      gemm(m, V, m, s.attn.data(), kChunk, 1, s.x.data(), V, q_reads, V, true, true);
       for (int64_t i = 0; i < n; ++i) {
         T* oi = in.o.at(t0 + i, hv);
         for (int64_t d = 0; d < V; ++d) oi[d] = T(q_reads[i * V + d]);
       }
       // S <- e^(c_last) S + K^T (e^(c_last - c) x)
       const float last = float(cum[kChunk - 1]);
-      for (int64_t i = 0; i < kChunk; ++i) {
+      for (int64_t i = 0; i < m; ++i) {
         const float f = std::exp(float(cum[kChunk - 1] - cum[i]));
         for (int64_t d = 0; d < V; ++d) s.decayed[i * V + d] = f * s.x[i * V + d];
       }
       const float tile_decay = std::exp(last);
       for (int64_t e = 0; e < K * V; ++e) state[e] *= tile_decay;
-      gemm(K, V, kChunk, keys, 1, K, s.decayed.data(), V, state, V, true);
+      gemm(K, V, m, keys, 1, K, s.decayed.data(), V, state, V, true);
     }
   }
 }

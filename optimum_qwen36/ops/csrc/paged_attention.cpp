@@ -9,9 +9,10 @@
 // visible key.
 //
 // bfloat16 with AVX-512 BF16: flash attention per (row, KV head, block of query rows), the G = H / KVH
-// query heads sharing a KV head stacked as rows of one block. Keys and values are packed once per (row,
-// KV head) into pairs along the contracted dimension (the operand layout of vdpbf16ps), so Q K^T and P V are
-// both register-blocked products: 8 query rows x 32 columns per inner loop, bf16 products summed in
+// query heads sharing a KV head stacked as rows of one block. Keys and values are packed into pairs along the
+// contracted dimension (the operand layout of vdpbf16ps): once per (row, KV head) where its queries fill
+// several blocks, else block of keys by block of keys as they are read (a decode row then reads its KV from
+// memory once). Q K^T and P V are both register-blocked products: 8 query rows x 32 columns per inner loop, bf16 products summed in
 // float32. Scores, the online softmax and the output accumulate in float32; P is rounded to bf16 for P V,
 // as every flash kernel does. Other dtypes and CPUs: the same visible keys gathered per row and handed to
 // ATen's scaled_dot_product_attention.
@@ -205,39 +206,70 @@ void tile_product(int64_t rows, int64_t cols, const bf16* a, int64_t lda, const 
 }
 #endif
 
-inline uint32_t bf16_bits(const bf16& x) { return x.x; }
+// One (sequence, KV head)'s keys and values in the cache: key j's D values at key(j), value j's at value(j).
+struct KVSource {
+  const bf16 *key_layer, *value_layer;  // the layer's [num_blocks, block_size, KVH, D]
+  const int64_t* table;                 // the sequence's blocks
+  int64_t block_size, kv_heads, kh, dim;
+  int64_t offset(int64_t j) const { return ((table[j / block_size] * block_size + j % block_size) * kv_heads + kh) * dim; }
+  const bf16* key(int64_t j) const { return key_layer + offset(j); }
+  const bf16* value(int64_t j) const { return value_layer + offset(j); }
+};
+
+// Keys [j0, j0 + count) packed (count a multiple of 32; keys from n on are zeros: masked, never NaN): keys as
+// tiles of 32 keys, [D / 2][32] pairs each, at keys_out; values as [count / 2][D] pairs of consecutive keys at
+// values_out. Keys are gathered pair by pair (16 keys per instruction), values interleaved 16 columns at a time.
+void pack_range(const KVSource& src, int64_t j0, int64_t count, int64_t n, uint32_t* keys_out, uint32_t* values_out) {
+  const int64_t pairs = src.dim / 2;
+  const auto* key_words = reinterpret_cast<const int*>(src.key_layer);
+  for (int64_t t = 0; t < count; t += kKeyTile) {
+    uint32_t* tile = keys_out + t * pairs;
+    alignas(64) int32_t offsets[kKeyTile];  // each key's row, in pairs from the layer's start
+    uint32_t live = 0;
+    for (int64_t i = 0; i < kKeyTile; ++i) {
+      const int64_t j = j0 + t + i;
+      offsets[i] = j < n ? int32_t(src.offset(j) / 2) : 0;
+      live |= uint32_t(j < n) << i;
+    }
+    const __m512i low = _mm512_load_si512(offsets), high = _mm512_load_si512(offsets + 16);
+    const __mmask16 live_low = __mmask16(live), live_high = __mmask16(live >> 16);
+    for (int64_t p = 0; p < pairs; ++p) {
+      _mm512_storeu_si512(tile + p * kKeyTile,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live_low, low, key_words + p, 4));
+      _mm512_storeu_si512(tile + p * kKeyTile + 16,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live_high, high, key_words + p, 4));
+    }
+  }
+  const auto widened = [](const bf16* v, int64_t d) {  // 16 values as the low halves of 16 words
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d)));
+  };
+  for (int64_t i = 0; i < count; i += 2) {
+    const int64_t j = j0 + i;
+    uint32_t* dst = values_out + (i / 2) * src.dim;
+    const bf16* first = j < n ? src.value(j) : nullptr;
+    const bf16* second = j + 1 < n ? src.value(j + 1) : nullptr;
+    for (int64_t d = 0; d < src.dim; d += 16) {
+      const __m512i lo = first ? widened(first, d) : _mm512_setzero_si512();
+      const __m512i hi = second ? _mm512_slli_epi32(widened(second, d), 16) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, hi));
+    }
+  }
+}
 
 struct PackedKV {
   // keys: per tile of 32 keys, [D / 2][32] pairs (key_tiles x D/2 x 32); values: [n_pad / 2][D] pairs.
   std::vector<uint32_t> keys, values;
 };
 
-// Row b's first n keys and values of KV head kh, packed; keys past n are zeros (masked, never NaN).
-void pack(const bf16* key_cache, const bf16* value_cache, const int64_t* table, int64_t n, int64_t n_pad,
-          int64_t block_size, int64_t kv_heads, int64_t kh, int64_t dim, int64_t layer_offset, PackedKV& out) {
-  const int64_t pairs = dim / 2;
-  out.keys.assign(n_pad * pairs, 0);
-  out.values.assign(n_pad / 2 * dim, 0);
-  const auto row = [&](const bf16* cache, int64_t j) {
-    return cache + layer_offset + ((table[j / block_size] * block_size + j % block_size) * kv_heads + kh) * dim;
-  };
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(row(key_cache, j));
-    uint32_t* tile = out.keys.data() + (j / kKeyTile) * pairs * kKeyTile + j % kKeyTile;
-    for (int64_t p = 0; p < pairs; ++p) tile[p * kKeyTile] = k[p];
-    const bf16* v = row(value_cache, j);
-    uint32_t* dst = out.values.data() + (j / 2) * dim;
-    const int shift = (j % 2) * 16;
-    for (int64_t d = 0; d < dim; ++d) dst[d] |= bf16_bits(v[d]) << shift;
-  }
-}
-
 struct Block {  // one work item: segment seg, KV head kh, flat query tokens [t0, t0 + tokens)
   int64_t seg, kh, t0, tokens;
 };
 
-void attend_block(const Block& blk, const bf16* query, const int64_t* positions, const PackedKV& kv, int64_t n,
-                  int64_t heads, int64_t group, int64_t dim, float scale, bool tiles, bf16* out) {
+// Work item blk over its sequence's first n keys: packed in kv, or (kv null) packed block by block from src into
+// the thread's block buffers, which then stay in cache between the two products.
+void attend_block(const Block& blk, const bf16* query, const int64_t* positions, const KVSource& src,
+                  const PackedKV* kv, int64_t n, int64_t heads, int64_t group, int64_t dim, float scale, bool tiles,
+                  std::vector<uint32_t>& block_keys, std::vector<uint32_t>& block_values, bf16* out) {
   const int64_t rows = blk.tokens * group, pairs = dim / 2;
   // With tiles, the buffers have whole tiles of rows (padding rows stay zero).
   const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;
@@ -259,14 +291,22 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < last; j0 += kKeyBlock) {
     const int64_t cols = std::min<int64_t>(kKeyBlock, (last - j0 + kKeyTile - 1) / kKeyTile * kKeyTile);
+    const uint32_t *keys = nullptr, *values = nullptr;
+    if (kv != nullptr) {
+      keys = kv->keys.data() + j0 * pairs;
+      values = kv->values.data() + (j0 / 2) * dim;
+    } else {
+      pack_range(src, j0, cols, n, block_keys.data(), block_values.data());
+      keys = block_keys.data();
+      values = block_values.data();
+    }
 #ifdef QWEN36_AMX
     if (tiles)
-      tile_product(padded, cols, q_tiles.data(), dim, kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile,
-                   16 * kKeyTile, dim / 32, scores.data(), kKeyBlock, false);
+      tile_product(padded, cols, q_tiles.data(), dim, keys, kKeyTile, pairs * kKeyTile, 16 * kKeyTile, dim / 32,
+                   scores.data(), kKeyBlock, false);
     else
 #endif
-      product(rows, cols, q_rows.data(), kv.keys.data() + j0 * pairs, kKeyTile, pairs * kKeyTile, pairs,
-              scores.data(), kKeyBlock, false);
+      product(rows, cols, q_rows.data(), keys, kKeyTile, pairs * kKeyTile, pairs, scores.data(), kKeyBlock, false);
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * kKeyBlock;
       const int64_t visible = std::clamp<int64_t>(limit[r] - j0, 0, cols);
@@ -309,12 +349,10 @@ void attend_block(const Block& blk, const bf16* query, const int64_t* positions,
     // acc += P V over this block's keys (pairs of keys): values packed [n_pad / 2][D]
 #ifdef QWEN36_AMX
     if (tiles)
-      tile_product(padded, dim, probs.data(), kKeyBlock, kv.values.data() + (j0 / 2) * dim, dim, 32, 16 * dim,
-                   cols / 32, acc.data(), dim, true);
+      tile_product(padded, dim, probs.data(), kKeyBlock, values, dim, 32, 16 * dim, cols / 32, acc.data(), dim, true);
     else
 #endif
-      product(rows, dim, p_rows.data(), kv.values.data() + (j0 / 2) * dim, dim, 32, cols / 2, acc.data(), dim,
-              true);
+      product(rows, dim, p_rows.data(), values, dim, 32, cols / 2, acc.data(), dim, true);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = blk.t0 + r / group, h = blk.kh * group + r % group;
@@ -333,22 +371,30 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
   const at::Tensor q = query.contiguous(), kc = key_cache.contiguous(), vc = value_cache.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
   const int64_t layer_offset = layer * num_blocks * block_size * kv_heads * dim;
-  const auto* k_ptr = reinterpret_cast<const bf16*>(kc.data_ptr());
-  const auto* v_ptr = reinterpret_cast<const bf16*>(vc.data_ptr());
+  const auto* k_ptr = reinterpret_cast<const bf16*>(kc.data_ptr()) + layer_offset;
+  const auto* v_ptr = reinterpret_cast<const bf16*>(vc.data_ptr()) + layer_offset;
   const int64_t count = int64_t(segments.size());
+  const auto source = [&](int64_t seg, int64_t kh) {
+    return KVSource{k_ptr, v_ptr, tables.data_ptr<int64_t>() + segments[seg].table_row * max_blocks, block_size,
+                    kv_heads, kh, dim};
+  };
 
+  // A sequence whose queries fill several work items has its keys packed once for all of them; one of a
+  // single work item (a decode row, a short prefill) packs each block of keys as it reads it.
+  const int64_t tokens_per_block = std::max<int64_t>(1, kRowBlock / group);
   std::vector<PackedKV> packed(count * kv_heads);
   at::parallel_for(0, count * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Segment& seg = segments[i / kv_heads];
-      if (seg.count == 0) continue;
-      const int64_t n = seg.keys;
-      pack(k_ptr, v_ptr, tables.data_ptr<int64_t>() + seg.table_row * max_blocks, n,
-           (n + kKeyTile - 1) / kKeyTile * kKeyTile, block_size, kv_heads, i % kv_heads, dim, layer_offset, packed[i]);
+      if (seg.count <= tokens_per_block) continue;
+      const int64_t n_pad = (seg.keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+      packed[i].keys.resize(n_pad * dim / 2);
+      packed[i].values.resize(n_pad / 2 * dim);
+      pack_range(source(i / kv_heads, i % kv_heads), 0, n_pad, seg.keys, packed[i].keys.data(),
+                 packed[i].values.data());
     }
   });
 
-  const int64_t tokens_per_block = std::max<int64_t>(1, kRowBlock / group);
   std::vector<Block> blocks;
   for (int64_t s = 0; s < count; ++s)
     for (int64_t t0 = 0; t0 < segments[s].count; t0 += tokens_per_block)
@@ -370,11 +416,14 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
 #ifdef QWEN36_AMX
     if (tiles) optimum_qwen36::amx::configure_full_tiles();
 #endif
+    std::vector<uint32_t> block_keys(kKeyBlock * dim / 2), block_values(kKeyBlock / 2 * dim);
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t i = thread; i < blocks.size(); i += threads) {
         const Block& blk = blocks[i];
-        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), packed[blk.seg * kv_heads + blk.kh], segments[blk.seg].keys,
-                     heads, group, dim, float(scale), tiles, out_ptr);
+        const Segment& seg = segments[blk.seg];
+        const PackedKV* kv = seg.count > tokens_per_block ? &packed[blk.seg * kv_heads + blk.kh] : nullptr;
+        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), source(blk.seg, blk.kh), kv, seg.keys, heads, group, dim,
+                     float(scale), tiles, block_keys, block_values, out_ptr);
       }
 #ifdef QWEN36_AMX
     if (tiles) optimum_qwen36::amx::release();
@@ -398,7 +447,10 @@ at::Tensor attend_segments(const at::Tensor& query, const at::Tensor& key_cache,
   const std::vector<Segment> segments =
       segments_of(bounds, positions, block_tables.size(1) * key_cache.size(2));
 #ifdef QWEN36_BF16_AVX512
-  if (query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0)
+  // pack_range gathers keys by int32 offsets (in pairs of values) from the layer's start
+  const bool gatherable = key_cache[0].numel() / 2 <= std::numeric_limits<int32_t>::max();
+  if (query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
+      gatherable)
     return attention_bf16(query, key_cache, value_cache, layer, block_tables, positions, segments, scale);
 #endif
   return attention_aten(query, key_cache, value_cache, layer, block_tables, positions, segments, scale);
