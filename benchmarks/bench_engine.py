@@ -14,8 +14,9 @@ Methods, on one exported model (the same compiled graphs, batch `--batch-size`):
 - `vllm` (optional): `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON), a Python with vLLM installed
   (`../shared/peers/setup_vllm_cpu.sh` makes one), started after sourcing `--vllm-env SCRIPT` where given
   (or $OPTIMUM_QWEN36_VLLM_ENV; vLLM-CPU's `vllm_env.sh` there); burst only, `LLM.generate` on the same
-  token ids with `max_num_seqs=--batch-size`, total time only (offline vLLM reports no per-token times).
-  Skipped, and said so in the output, when not given.
+  token ids with `max_num_seqs=--batch-size`, total time only (offline vLLM reports no per-token times),
+  its process kept loaded so that each of its rounds runs right after one of ours (`engine_over_vllm`: the
+  ratio per round). Skipped, and said so in the output, when not given.
 Per run: total time, output tok/s, and over the requests TTFT (arrival to first token) and TPOT (time per
 output token after the first) p50 / p99. Methods alternate run by run (`--repeats`); the JSON keeps every
 run and min / median / max. Also checked: each request's tokens are the same from the engine and from
@@ -40,7 +41,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
+import subprocess
 import tempfile
 import time
 from collections import deque
@@ -49,7 +52,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_checkpoint
-from timing import VLLM_PYTHON_ENV, add_vllm_arguments, command_line, fmt, machine, run_vllm_script, spread
+from timing import VLLM_PYTHON_ENV, add_vllm_arguments, command_line, fmt, machine, peer_command, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
@@ -173,27 +176,62 @@ llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_mode
 prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
 params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True) for n in spec["outputs"]]
 llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-runs = []
-for _ in range(spec["repeats"]):
+print("VLLM_READY " + json.dumps({"vllm": __import__("vllm").__version__}), flush=True)
+for command in sys.stdin:  # one round per line, when the benchmark's own round has ended
+    if command.strip() != "round":
+        break
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    runs.append({"total_s": time.perf_counter() - start,
-                 "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
-print("VLLM_RESULT " + json.dumps({"vllm": __import__("vllm").__version__, "runs": runs}))
+    round = {"total_s": time.perf_counter() - start,
+             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    print("VLLM_ROUND " + json.dumps(round), flush=True)
 """
 
 
-def run_vllm(checkpoint: Path, works: list[Work], args: argparse.Namespace) -> dict:
-    spec = {
-        "model": str(checkpoint),
-        "dtype": args.dtype,
-        "max_model_len": max_len(args),
-        "batch_size": args.batch_size,
-        "prompts": [w.prompt for w in works],
-        "outputs": [w.output_tokens for w in works],
-        "repeats": args.repeats,
-    }
-    return run_vllm_script(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
+class VllmRounds:
+    """vLLM-CPU's offline `LLM.generate` on the workload, in its own process (its Python, its environment),
+    kept loaded between rounds so that each of its rounds runs right after ours: this shared machine's speed
+    drifts over minutes, and rounds run side by side compare like with like."""
+
+    def __init__(self, checkpoint: Path, works: list[Work], args: argparse.Namespace) -> None:
+        spec = {
+            "model": str(checkpoint),
+            "dtype": args.dtype,
+            "max_model_len": max_len(args),
+            "batch_size": args.batch_size,
+            "prompts": [w.prompt for w in works],
+            "outputs": [w.output_tokens for w in works],
+        }
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        self._spec_path = f.name
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read when the process fails, closed in close())
+        command = peer_command([args.vllm_python, "-c", VLLM_SCRIPT, self._spec_path], args.vllm_env)
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True
+        )
+        self.version = self._read("VLLM_READY ")["vllm"]
+
+    def round(self) -> dict:
+        """One timed `LLM.generate` of every request: total_s and output_tok_per_s."""
+        self._process.stdin.write("round\n")
+        self._process.stdin.flush()
+        done = self._read("VLLM_ROUND ")
+        return {"total_s": done["total_s"], "output_tok_per_s": done["output_tokens"] / done["total_s"]}
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=120)
+        self._stderr.close()
+        os.unlink(self._spec_path)
+
+    def _read(self, marker: str) -> dict:
+        for line in self._process.stdout:
+            if line.startswith(marker):
+                return json.loads(line.removeprefix(marker))
+        self._stderr.seek(0)
+        raise RuntimeError(f"vLLM run failed (exit {self._process.wait()}):\n{self._stderr.read()[-3000:]}")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -253,6 +291,10 @@ def table(report: dict) -> str:
         if floor:
             ceiling = fmt(floor["static_total_over_floor"], 2)
             lines.append(f"static generate total / prefill floor ({pattern}, per round): {ceiling}x")
+        vllm = report["results"][pattern].get(VLLM, {})
+        if "engine_over_vllm" in vllm:
+            ratio = fmt(vllm["engine_over_vllm"], 2)
+            lines.append(f"engine / vLLM output tok/s ({pattern}, per round): {ratio}x")
     return "\n".join(lines)
 
 
@@ -354,6 +396,8 @@ def main() -> None:
             run_static(model, works[:2], args.batch_size)
             runs: dict[str, list[dict]] = {ENGINE: [], STATIC: []}
             floors: list[float] = []
+            vllm = VllmRounds(checkpoint, works, args) if pattern == "burst" and args.vllm_python else None
+            vllm_runs: list[dict] = []
             for _ in range(args.repeats):
                 engine_served = run_engine(model, works)
                 static_served = run_static(model, works, args.batch_size)
@@ -361,6 +405,8 @@ def main() -> None:
                 runs[STATIC].append(metrics(static_served))
                 if pattern == "burst":
                     floors.append(prefill_floor(model, works))
+                if vllm is not None:
+                    vllm_runs.append(vllm.round())
                 # Over every repeat, not only the last one.
                 same_tokens[pattern] = same_tokens.get(pattern, True) and all(
                     a.tokens == b.tokens for a, b in zip(engine_served, static_served, strict=True)
@@ -382,16 +428,19 @@ def main() -> None:
                     "runs": floors,
                 }
             if pattern == "burst":
-                if args.vllm_python:
-                    vllm = run_vllm(checkpoint, works, args)
-                    vllm_runs = [
-                        {"total_s": r["total_s"], "output_tok_per_s": r["output_tokens"] / r["total_s"]}
-                        for r in vllm["runs"]
-                    ]
+                if vllm is not None:
+                    vllm.close()
                     results[pattern][VLLM] = {
                         **summarise(vllm_runs),
-                        "version": vllm["vllm"],
+                        "version": vllm.version,
                         "runs": vllm_runs,
+                        # Per round: vLLM-CPU's round ran right after ours.
+                        "engine_over_vllm": spread(
+                            [
+                                a["output_tok_per_s"] / b["output_tok_per_s"]
+                                for a, b in zip(runs[ENGINE], vllm_runs, strict=True)
+                            ]
+                        ),
                     }
                 else:
                     reason = f"no vLLM Python (--vllm-python or ${VLLM_PYTHON_ENV})"
