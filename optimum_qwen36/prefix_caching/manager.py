@@ -546,9 +546,8 @@ class PrefixCache:
         self._maybe_compact(self._ckpt_heap)
 
     def _maybe_compact(self, heap: list[tuple[int, bytes]]) -> None:
-        if (
-            len(heap) > 2 * (len(self._nodes) + len(self._tails)) + 1024
-        ):  # drop stale entries: heaps stay bounded
+        # Rebuild every heap from its live entries once this one holds many stale ones: heaps stay bounded.
+        if len(heap) > 2 * (len(self._nodes) + len(self._tails)) + 1024:
             self._node_heap = [(n.last_used, k) for k, n in self._nodes.items()]
             self._ckpt_heap = [(n.checkpoint.last_used, k) for k, n in self._nodes.items() if n.checkpoint]
             self._tail_heap = [(t.last_used, k) for k, t in self._tails.items()]

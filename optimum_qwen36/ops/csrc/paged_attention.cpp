@@ -12,8 +12,8 @@
 // query heads sharing a KV head stacked as rows of one block. Keys and values are packed into pairs along the
 // contracted dimension (the operand layout of vdpbf16ps): once per (row, KV head) where its queries fill
 // several blocks, else block of keys by block of keys as they are read (a decode row then reads its KV from
-// memory once). Q K^T and P V are both register-blocked products: 8 query rows x 32 columns per inner loop, bf16 products summed in
-// float32. Scores, the online softmax and the output accumulate in float32; P is rounded to bf16 for P V,
+// memory once). Q K^T and P V are both register-blocked products: 8 query rows x 32 columns per inner loop,
+// bf16 products summed in float32. Scores, the online softmax and the output accumulate in float32; P is rounded to bf16 for P V,
 // as every flash kernel does. Other dtypes and CPUs: the same visible keys gathered per row and handed to
 // ATen's scaled_dot_product_attention.
 #include <ATen/ATen.h>
@@ -206,13 +206,12 @@ void tile_product(int64_t rows, int64_t cols, const bf16* a, int64_t lda, const 
 }
 #endif
 
-// One (sequence, KV head)'s keys and values in the cache: key j's D values at key(j), value j's at value(j).
+// One (sequence, KV head)'s keys and values in the cache: key and value j's D values at offset(j) in their layer.
 struct KVSource {
   const bf16 *key_layer, *value_layer;  // the layer's [num_blocks, block_size, KVH, D]
   const int64_t* table;                 // the sequence's blocks
   int64_t block_size, kv_heads, kh, dim;
   int64_t offset(int64_t j) const { return ((table[j / block_size] * block_size + j % block_size) * kv_heads + kh) * dim; }
-  const bf16* key(int64_t j) const { return key_layer + offset(j); }
   const bf16* value(int64_t j) const { return value_layer + offset(j); }
 };
 
@@ -420,10 +419,9 @@ at::Tensor attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, 
     for (int64_t thread = begin; thread < end; ++thread)
       for (size_t i = thread; i < blocks.size(); i += threads) {
         const Block& blk = blocks[i];
-        const Segment& seg = segments[blk.seg];
-        const PackedKV* kv = seg.count > tokens_per_block ? &packed[blk.seg * kv_heads + blk.kh] : nullptr;
-        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), source(blk.seg, blk.kh), kv, seg.keys, heads, group, dim,
-                     float(scale), tiles, block_keys, block_values, out_ptr);
+        const PackedKV& whole = packed[blk.seg * kv_heads + blk.kh];  // empty: packed block by block
+        attend_block(blk, q_ptr, pos.data_ptr<int64_t>(), source(blk.seg, blk.kh), whole.keys.empty() ? nullptr : &whole,
+                     segments[blk.seg].keys, heads, group, dim, float(scale), tiles, block_keys, block_values, out_ptr);
       }
 #ifdef QWEN36_AMX
     if (tiles) optimum_qwen36::amx::release();
