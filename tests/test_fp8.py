@@ -26,6 +26,7 @@ from optimum_qwen36.exporters.compile_cache import compile_key
 from optimum_qwen36.modeling.quantization import Fp8Linear, fp8_module_names
 from optimum_qwen36.modeling.weights import CheckpointError
 from optimum_qwen36.ops.fp8 import (
+    DEFAULT_BLOCK_SIZE,
     E4M3_MAX,
     NEURON_E4M3_MAX,
     dequantize_fp8,
@@ -210,7 +211,15 @@ def test_native_kernel_widens_every_e4m3_value_exactly(rows: int, dtype: torch.d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((257, 129), (64, 32))])
+@pytest.mark.parametrize(
+    "shape,block",
+    [
+        ((300, 200), (128, 128)),
+        ((257, 129), (64, 32)),
+        ((1100, 200), (128, 128)),  # 200 rows of x: two tiles of output features
+        ((1100, 300), (128, 128)),  # 300 rows: the whole weight in one product
+    ],
+)
 def test_native_dequantized_tiles_equal_the_reference(
     dtype: torch.dtype, shape: tuple[int, int], block: tuple[int, int]
 ) -> None:
@@ -222,6 +231,19 @@ def test_native_dequantized_tiles_equal_the_reference(
     scale = scale.bfloat16().float()  # as Qwen's files store them
     out = torch.ops.optimum_qwen36.fp8_linear(torch.eye(shape[1], dtype=dtype), q, scale, *block)
     assert torch.equal(out.t(), dequantize_fp8(q, scale, block, dtype))
+
+
+def test_native_kernel_splits_a_weight_too_large_for_one_product() -> None:
+    """From 256 rows of x the weight is dequantized whole for one product, up to 16M values; a larger one
+    (here 4224 x 4096) goes in several parts, each a whole number of scale blocks."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    generator = torch.Generator().manual_seed(3)
+    q, scale = quantize_fp8(torch.randn(4224, 4096, generator=generator))
+    x = torch.randn(256, 4096, generator=generator)
+    reference = fp8_linear_torch(x.double(), q, scale, DEFAULT_BLOCK_SIZE)
+    torch.testing.assert_close(
+        fp8_linear(x, q, scale, DEFAULT_BLOCK_SIZE).double(), reference, atol=1e-3, rtol=1e-5
+    )
 
 
 def test_quantize_round_trip_and_neuron_range() -> None:
