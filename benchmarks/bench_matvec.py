@@ -13,7 +13,10 @@ the weights (as in the exported step graphs); --repeats runs after a warm-up, th
 run (same machine load), kept with min / median / max (the median is the headline figure). `--rows`: one
 row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row. `--fp8`: instead,
 `bf16_linear` on the bf16 weights against `fp8_linear` on their FP8 copies (what `quantization="fp8"` with
-`fp8_modules="linear"` reads: Qwen's releases keep the output projection in bf16).
+`fp8_modules="linear"` reads: Qwen's releases keep the output projection in bf16). `--huge-pages`: instead,
+`bf16_linear` on the weights as torch allocates them (4 KB pages, unless the OS's transparent huge pages are
+`always`) against the same weights moved into huge pages (`ops.huge_pages.move_to_huge_pages`, as the cpu
+backend places a model's weights).
 
     python benchmarks/bench_matvec.py        # bf16, the machine's threads
     python benchmarks/bench_matvec.py --dtype float32 --rows 1 2 4 8
@@ -22,6 +25,8 @@ row (batch-1 decode), and 8 rows by default, which the one-row form reads once p
         --skip-output-projection --output benchmarks/results/bench_matvec_27b.json
     python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 4 8 --fp8 \
         --skip-output-projection --output benchmarks/results/bench_matvec_27b_fp8.json
+    python benchmarks/bench_matvec.py --huge-pages --rows 1 2 8 \
+        --output benchmarks/results/bench_matvec_huge_pages.json
 
 Writes benchmarks/results/bench_matvec.json.
 """
@@ -38,6 +43,7 @@ from timing import alternate, command_line, fmt, machine, paired_ratios, rates, 
 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_linear
 from optimum_qwen36.ops.fp8 import DEFAULT_BLOCK_SIZE, fp8_linear, quantize_fp8
+from optimum_qwen36.ops.huge_pages import THP_SETTING, move_to_huge_pages, transparent_huge_pages
 from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -107,6 +113,25 @@ def fp8_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     }
 
 
+def huge_page_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+    """`bf16_linear` on `weights` as allocated against copies moved into transparent huge pages: GB/s, and the
+    time ratio per round (`4k_pages_over_huge_pages`: the speed-up of huge pages)."""
+    moved = torch.nn.ParameterList(torch.nn.Parameter(w.clone(), requires_grad=False) for w in weights)
+    move_to_huge_pages(moved)
+    inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
+    measures = {
+        "4k_pages": wall(lambda: [native_linear(x, w) for x, w in zip(inputs, weights, strict=True)]),
+        "huge_pages": wall(lambda: [native_linear(x, w) for x, w in zip(inputs, moved, strict=True)]),
+    }
+    runs = alternate(measures, repeats)
+    total = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    return {
+        "4k_pages": rates(total, runs["4k_pages"]),
+        "huge_pages": rates(total, runs["huge_pages"]),
+        "4k_pages_over_huge_pages": paired_ratios(runs["4k_pages"], runs["huge_pages"]),
+    }
+
+
 def streaming_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
     """GB/s of weights read by all of `weights` applied to `rows` rows, each way compiled as one graph (as in
     the exported step graphs, whose linears are ATen matrix products, one-row sums or the native kernel)."""
@@ -147,6 +172,11 @@ def main() -> None:
     parser.add_argument(
         "--fp8", action="store_true", help="bf16_linear against fp8_linear on FP8 copies (bf16 only)"
     )
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="bf16_linear on weights in 4 KB pages against the same in transparent huge pages (bf16 only)",
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="x rows per call")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (after one warm-up)")
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_matvec.json")
@@ -157,6 +187,12 @@ def main() -> None:
         parser.error(
             "--fp8 compares the bf16 and fp8 kernels: it needs --dtype bfloat16 and bf16_linear's vector path"
         )
+    if args.huge_pages and (args.dtype != "bfloat16" or not bf16_linear_vectorized()):
+        parser.error("--huge-pages times bf16_linear: it needs --dtype bfloat16 and its vector path")
+    if args.huge_pages and not transparent_huge_pages():
+        parser.error(f"--huge-pages: this OS gives no transparent huge pages ({THP_SETTING})")
+    if args.fp8 and args.huge_pages:
+        parser.error("--fp8 and --huge-pages are separate comparisons: pass one")
     if args.layers < 4 or args.layers % 4:
         parser.error("--layers must be a positive multiple of 4 (3 GDN layers per attention layer)")
     dtype = getattr(torch, args.dtype)
@@ -176,13 +212,15 @@ def main() -> None:
         "shapes": args.shapes,
         "machine": machine(),
         "repeats": args.repeats,
+        "transparent_huge_pages": THP_SETTING.read_text().strip() if THP_SETTING.is_file() else None,
         "weight_bytes": {},
         "gb_per_s": {},
     }
     for label, weights in sets:
         report["weight_bytes"][label] = sum(w.numel() * w.element_size() for w in weights)
         for rows in args.rows:
-            result = (fp8_rates if args.fp8 else streaming_rates)(weights, rows, args.repeats)
+            rates_of = fp8_rates if args.fp8 else huge_page_rates if args.huge_pages else streaming_rates
+            result = rates_of(weights, rows, args.repeats)
             report["gb_per_s"][f"{label}, {rows} row(s)"] = result
             print(
                 f"{label:24s} rows={rows}: "

@@ -16,6 +16,8 @@ from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
 from optimum_qwen36.nki import causal_conv1d_fn
 from optimum_qwen36.ops.conv import (
+    causal_conv1d_decode,
+    causal_conv1d_decode_native,
     causal_conv1d_varlen,
     causal_conv1d_varlen_native,
     snapshot_conv_tail,
@@ -275,6 +277,40 @@ def test_native_packed_conv_equals_the_pytorch_form(dtype: torch.dtype) -> None:
     head_tokens, head_taps, conv_tail = indices
     with pytest.raises(RuntimeError, match="head_taps"):  # a short index is refused, never read past
         causal_conv1d_varlen_native(x, weight, states, head_tokens, head_taps[:, :1], conv_tail)
+
+
+@pytest.mark.parametrize("width", [4, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_conv_updates_the_cache_as_the_pytorch_form(dtype: torch.dtype, width: int) -> None:
+    """A decode step's conv on three rows (slots 4, 0, 2 of cache entry 1; 37 channels, not a multiple of
+    the vector width; Qwen's 4 taps, which have a path of their own in bf16, and 3): the native op leaves
+    the cache bitwise as the PyTorch form does (only those slots of that entry change), its outputs within a
+    float32 rounding of the SiLU (bf16: one bf16 rounding), and each row's output bitwise that of the varlen
+    op for the same token packed after the same state."""
+    if not load_native_ops():
+        pytest.skip("the native ops do not build here")
+    entries, num_slots, channels = 3, 5, 37
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, channels, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, generator=generator).to(dtype)
+    cache = torch.randn(entries, num_slots, channels, width - 1, generator=generator).to(dtype)
+    slots = torch.tensor([4, 0, 2])
+    native_cache, torch_cache = cache.clone(), cache.clone()
+    out = causal_conv1d_decode_native(x, weight, native_cache, 1, slots)
+    reference = causal_conv1d_decode(x, weight, torch_cache, 1, slots)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(native_cache, torch_cache)
+    changed = (native_cache != cache).flatten(2).any(-1).nonzero().tolist()
+    assert changed == [[1, 0], [1, 2], [1, 4]]
+    assert torch.equal(native_cache[1, slots, :, -1], x)
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out, reference, **tolerance)
+    packed, _ = causal_conv1d_varlen_native(
+        x, weight, cache[1, slots], *varlen_conv_indices(torch.arange(4), width)
+    )
+    assert torch.equal(out, packed)
+    with pytest.raises(RuntimeError, match="slot 5 outside"):  # refused, never written past the cache
+        causal_conv1d_decode_native(x, weight, native_cache, 1, torch.tensor([4, 0, 5]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

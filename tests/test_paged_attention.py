@@ -18,7 +18,12 @@ from optimum_qwen36.ops.attention import (
     paged_attention_varlen_native,
     paged_attention_varlen_torch,
 )
-from optimum_qwen36.ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native
+from optimum_qwen36.ops.conv import (
+    causal_conv1d_decode,
+    causal_conv1d_decode_native,
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_native,
+)
 from optimum_qwen36.ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -180,6 +185,7 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
         gdn_prefill_chunk_native,
         gdn_verify_step_native,
         causal_conv1d_varlen_native,
+        causal_conv1d_decode_native,
     )
     try:
         with torch.no_grad():
@@ -192,6 +198,7 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
             gdn_prefill_chunk_torch,
             gdn_verify_step_torch,
             causal_conv1d_varlen,
+            causal_conv1d_decode,
         )
     op = torch.ops.optimum_qwen36.paged_attention.default
     calls = sum(node.target is op for node in program.graph.nodes)

@@ -34,7 +34,12 @@ from ..ops.attention import (
     paged_attention_varlen_native,
     paged_attention_varlen_torch,
 )
-from ..ops.conv import causal_conv1d_varlen, causal_conv1d_varlen_native
+from ..ops.conv import (
+    causal_conv1d_decode,
+    causal_conv1d_decode_native,
+    causal_conv1d_varlen,
+    causal_conv1d_varlen_native,
+)
 from ..ops.gdn import (
     gdn_decode_step_native,
     gdn_decode_step_torch,
@@ -44,6 +49,7 @@ from ..ops.gdn import (
     gdn_verify_step_torch,
     native_chunk_supported,
 )
+from ..ops.huge_pages import move_to_huge_pages
 from ..ops.native import (
     bf16_linear_vectorized,
     bf16_matmul_instructions,
@@ -119,6 +125,9 @@ class AOTIBackend:
         extra = load_file(extra_file, device=device) if extra_file.is_file() else {}
         if self.name == "cpu":
             load_native_ops()  # the graphs call its custom ops (attention; FP8 and bf16 linear layers)
+            # Before the graphs bind the weights: each decode step streams them all.
+            moved = move_to_huge_pages(model)
+            logger.debug("Moved %.2f GB of weights into transparent huge pages", moved / 1e9)
 
         shapes_file = files_dir / STEP_SHAPES
         recorded = json.loads(shapes_file.read_text()) if shapes_file.is_file() else None
@@ -361,6 +370,7 @@ def _compile_graphs(
             gdn_prefill_chunk_native if vectorized else gdn_prefill_chunk_torch,
             gdn_verify_step_native,
             causal_conv1d_varlen_native if vectorized else causal_conv1d_varlen,
+            causal_conv1d_decode_native,
         )
     try:
         extra = compile_regions(
@@ -378,6 +388,7 @@ def _compile_graphs(
             gdn_prefill_chunk_torch,
             gdn_verify_step_torch,
             causal_conv1d_varlen,
+            causal_conv1d_decode,
         )
     if extra:
         save_file(extra, out_dir / EXTRA_CONSTANTS)

@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from ..ops import huge_pages
 from .config import FULL_ATTENTION, LINEAR_ATTENTION
 
 
@@ -58,18 +59,19 @@ class Qwen36HybridCache(Cache):
         mtp_layers = 1 if num_speculative_tokens else 0
         kv_heads, head_dim = config.num_key_value_heads, config.head_dim
         kv_shape = (n_attention + mtp_layers, num_blocks, block_size, kv_heads, head_dim)
-        self.key_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.value_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        # Decode steps stream the KV and the GDN states: in huge pages where the CPU holds them.
+        self.key_cache = huge_pages.zeros(kv_shape, dtype, device)
+        self.value_cache = huge_pages.zeros(kv_shape, dtype, device)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
             config.linear_num_value_heads * config.linear_value_head_dim
         )
         self.snapshot_slots = snapshot_slots
         self.scratch_slot = batch_size + snapshot_slots
         slots = self.scratch_slot + 1
-        self.conv_state = torch.zeros(
-            (n_gdn, slots, conv_dim, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
+        self.conv_state = huge_pages.zeros(
+            (n_gdn, slots, conv_dim, config.linear_conv_kernel_dim - 1), dtype, device
         )
-        self.recurrent_state = torch.zeros(
+        self.recurrent_state = huge_pages.zeros(
             (
                 n_gdn,
                 slots,
@@ -77,19 +79,19 @@ class Qwen36HybridCache(Cache):
                 config.linear_key_head_dim,
                 config.linear_value_head_dim,
             ),
-            dtype=torch.float32,
-            device=device,
+            torch.float32,
+            device,
         )
         self.spec_conv_state: torch.Tensor | None = None
         self.spec_recurrent_state: torch.Tensor | None = None
         if num_speculative_tokens:
             positions = num_speculative_tokens + 1
             conv_shape = (*self.conv_state.shape[:2], positions, *self.conv_state.shape[2:])
-            self.spec_conv_state = torch.zeros(conv_shape, dtype=dtype, device=device)
-            self.spec_recurrent_state = torch.zeros(
+            self.spec_conv_state = huge_pages.zeros(conv_shape, dtype, device)
+            self.spec_recurrent_state = huge_pages.zeros(
                 (*self.recurrent_state.shape[:2], positions, *self.recurrent_state.shape[2:]),
-                dtype=torch.float32,
-                device=device,
+                torch.float32,
+                device,
             )
         # Row b owns blocks 1 + b * max_blocks_per_row ...; the null block is never handed out.
         self.block_tables = (1 + torch.arange(batch_size * self.max_blocks_per_row, device=device)).view(

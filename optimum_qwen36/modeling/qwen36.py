@@ -39,7 +39,14 @@ from ..ops.attention import (
     paged_attention_torch,
     paged_attention_varlen_torch,
 )
-from ..ops.conv import VarlenConv, causal_conv1d_varlen, snapshot_conv_tail, varlen_conv_indices
+from ..ops.conv import (
+    DecodeConv,
+    VarlenConv,
+    causal_conv1d_decode,
+    causal_conv1d_varlen,
+    snapshot_conv_tail,
+    varlen_conv_indices,
+)
 from ..ops.gdn import (
     GDNChunk,
     GDNStep,
@@ -238,6 +245,7 @@ class Qwen36GatedDeltaNet(nn.Module):
         self.chunk_step: GDNChunk = gdn_prefill_chunk_torch
         self.verify_step: GDNVerify = gdn_verify_step_torch
         self.varlen_conv: VarlenConv = causal_conv1d_varlen
+        self.decode_conv: DecodeConv = causal_conv1d_decode
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns mixed qkv [B, conv_dim, T] (conv layout), z, beta and the log decay g (float32)."""
@@ -263,6 +271,8 @@ class Qwen36GatedDeltaNet(nn.Module):
         """hidden [B, T, hidden]: a prefill chunk (B = 1, one sequence or packed ones) or a decode step
         (T = 1). Reads the states of the rows' (sequences') slots from GDN cache entry `cache_idx` and writes
         the new ones back in place."""
+        if step.spec_recurrent_state is None and step.cu_seqlens is None and step.valid is None:
+            return self.decode(hidden, step.conv_state, step.recurrent_state, cache_idx, step.slots)
         conv_state = step.conv_state[cache_idx, step.slots]
         index = (torch.zeros_like(step.slots) + cache_idx, step.slots)
         if step.spec_recurrent_state is not None:
@@ -276,8 +286,6 @@ class Qwen36GatedDeltaNet(nn.Module):
             if step.snapshot_slots is not None:  # new_conv also holds the snapshots' conv states
                 written = torch.cat((step.slots, step.snapshot_slots))
                 index = (torch.zeros_like(written) + cache_idx, written)
-        elif step.valid is None:
-            out, new_conv = self.decode(hidden, conv_state, step.recurrent_state, cache_idx, step.slots)
         else:
             out, new_conv = self.prefill(
                 hidden, step.valid, step.num_valid, conv_state, step.recurrent_state, cache_idx, step.slots
@@ -347,19 +355,17 @@ class Qwen36GatedDeltaNet(nn.Module):
         recurrent_state: torch.Tensor,
         cache_idx: CacheIndex,
         slots: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, 1, hidden], the conv states of the rows' slots, the cache's recurrent state tensor.
-        Returns the output and the new conv states; the rows' recurrent states are updated in place."""
+    ) -> torch.Tensor:
+        """hidden [B, 1, hidden], the cache's conv and recurrent state tensors. Returns the output; the rows'
+        states (those of their slots in entry `cache_idx`) are updated in place."""
         mixed, z, beta, g = self._project(hidden)
-        mixed, new_conv_state = causal_conv1d_update(
-            mixed, conv_state, self.conv1d.weight.squeeze(1), activation="silu"
-        )
-        query, key, value = self._split_heads(mixed.transpose(1, 2))
+        mixed = self.decode_conv(mixed[..., 0], self.conv1d.weight.squeeze(1), conv_state, cache_idx, slots)
+        query, key, value = self._split_heads(mixed.unsqueeze(1))
         core = self.recurrent_step(
             query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0], recurrent_state, cache_idx, slots,
             self.head_k_dim**-0.5,
         )  # fmt: skip
-        return self._output(core.unsqueeze(1), z), new_conv_state
+        return self._output(core.unsqueeze(1), z)
 
     def verify(
         self,
@@ -480,11 +486,12 @@ class Qwen36ForCausalLM(nn.Module):
         chunk_step: GDNChunk,
         verify_step: GDNVerify,
         varlen_conv: VarlenConv,
+        decode_conv: DecodeConv,
     ) -> None:
         """Make every attention layer (the MTP layer's too) attend with `paged_attention` (packed prefill
-        steps: `paged_attention_varlen`), and every GDN layer run its decode steps with `recurrent_step`, its
-        prefill chunks with `chunk_step`, its verify steps with `verify_step` and the conv of its packed
-        prefill steps with `varlen_conv`."""
+        steps: `paged_attention_varlen`), and every GDN layer run its decode steps with `recurrent_step`
+        (their conv with `decode_conv`), its prefill chunks with `chunk_step`, its verify steps with
+        `verify_step` and the conv of its packed prefill steps with `varlen_conv`."""
         for module in self.modules():
             if isinstance(module, Qwen36Attention):
                 module.paged_attention = paged_attention
@@ -492,6 +499,7 @@ class Qwen36ForCausalLM(nn.Module):
             elif isinstance(module, Qwen36GatedDeltaNet):
                 module.recurrent_step, module.chunk_step = recurrent_step, chunk_step
                 module.verify_step, module.varlen_conv = verify_step, varlen_conv
+                module.decode_conv = decode_conv
 
     @staticmethod
     def inv_freq_for(config: PretrainedConfig) -> torch.Tensor:

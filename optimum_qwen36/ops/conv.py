@@ -12,6 +12,11 @@ start and end, so a step computes them once for all its GDN layers (`varlen_conv
 `causal_conv1d_varlen` is the PyTorch form, `causal_conv1d_varlen_native` the native CPU op
 (`optimum_qwen36::causal_conv1d_varlen`, csrc/causal_conv.cpp) with the same inputs and outputs, which reads
 each token once instead of materialising padded float32 copies of the step.
+
+A decode step's conv (one token per row) reads and updates the rows' conv states where they lie in the cache:
+`causal_conv1d_decode` (PyTorch: gather, `nki.causal_conv1d_update`, one index_put_) and
+`causal_conv1d_decode_native` (`optimum_qwen36::causal_conv1d_decode`, in place, each row computed as the
+varlen op computes a packed token).
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..nki import causal_conv1d_update
+from .native import layer_index
+
 # (x, weight, conv_state, head_tokens, head_taps, conv_tail) -> (SiLU(conv) [N, D], new conv states)
 VarlenConv = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (x [B, D], weight [D, W], conv_state [L, slots, D, W - 1], cache_idx, slots [B]) -> SiLU(conv) [B, D]
+DecodeConv = Callable[..., torch.Tensor]
 
 
 def varlen_conv_indices(
@@ -116,3 +126,34 @@ def causal_conv1d_varlen_native(
         return causal_conv1d_varlen(x, weight, conv_state, head_tokens, head_taps, conv_tail)
     op = torch.ops.optimum_qwen36.causal_conv1d_varlen
     return op(x, weight, conv_state, head_tokens, head_taps, conv_tail)
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step: row b's token x[b] convolved after the conv state of slot slots[b] in GDN cache entry
+    cache_idx, SiLU, in x's dtype; that state then becomes the row's last W - 1 inputs, in place."""
+    index = (torch.zeros_like(slots) + cache_idx, slots)
+    out, new_state = causal_conv1d_update(x.unsqueeze(-1), conv_state[index], weight, activation="silu")
+    # One index_put_ on the whole state tensor: compiled backends update it in place only in this form.
+    conv_state.index_put_(index, new_state)
+    return out.squeeze(-1)
+
+
+def causal_conv1d_decode_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    cache_idx: int | torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`causal_conv1d_decode` as the native op (load it first: `ops.native.load_native_ops()`), where x and
+    conv_state share a dtype (the op's contract); else the PyTorch form."""
+    if x.dtype != conv_state.dtype:
+        return causal_conv1d_decode(x, weight, conv_state, cache_idx, slots)
+    op = torch.ops.optimum_qwen36.causal_conv1d_decode
+    return op(x, weight, conv_state, layer_index(cache_idx, x.device), slots)

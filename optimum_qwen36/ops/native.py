@@ -220,6 +220,10 @@ def _register_fake_kernels() -> None:
         states = conv_state.new_empty((conv_tail.shape[0], *conv_state.shape[1:]))
         return torch.empty_like(x, memory_format=torch.contiguous_format), states
 
+    @torch.library.register_fake("optimum_qwen36::causal_conv1d_decode")
+    def _(x, weight, conv_state, cache_idx, slots):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("optimum_qwen36::paged_attention")
     def _(query, key_cache, value_cache, cache_idx, block_tables, positions, scale):
         return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -4,8 +4,9 @@
 // multiplies every 32-value slice of a weight row with up to kRowGroup x rows by AVX-512 BF16 dot products
 // (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32). A decode step reads every weight once, so
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in
-// sequential streams, prefetched kPrefetchBytes ahead (without that, the hardware prefetcher falls behind as
-// soon as more than one x row is multiplied). Weights with rows of kBlockedMinFeatures values or more go
+// sequential streams. From kHardwarePrefetchRows + 1 x rows on, the weight is also prefetched kPrefetchBytes
+// ahead in software (the hardware prefetcher falls behind the slower loop of several x rows); for fewer rows
+// the hardware prefetcher keeps up alone, and software prefetches only cost (on the AMD EPYC, Zen 4). Weights with rows of kBlockedMinFeatures values or more go
 // kWeightRows rows at a time: each x slice is loaded once for those rows, and their accumulators' lanes are
 // summed together at the end, so a few x rows cost little more than one (one weight row at a time, the x
 // loads and the horizontal sums, not the memory, bound those rows); shorter rows keep the one-row loop, which
@@ -52,7 +53,8 @@ constexpr int kRowGroup = 4;             // x rows sharing one pass over the wei
 constexpr int kWeightRows = 4;           // weight rows sharing each load of an x slice (AVX-512 BF16: at
                                          // most 4, the lanes one sum_lanes4 adds up)...
 constexpr int64_t kBlockedMinFeatures = 2048;  // ...in weights with rows of at least this many values
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weight is prefetched
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weight is prefetched...
+constexpr int64_t kHardwarePrefetchRows = 3;  // ...beyond this many x rows (AVX-512 BF16)
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
 constexpr int64_t kTileBytes = 4 << 20;   // widened weight rows per tile, for more than kStreamRows x rows
 
@@ -73,7 +75,7 @@ inline __m256 widen_bf16x8(const bf16* p) {
 
 // out[g * out_stride] = dot(w, x[g]) for one weight row w and G x rows (stride K). Two accumulators per x
 // row (even and odd slices): a dot product's latency, not the loads, would bound a single chain.
-template <int G>
+template <int G, bool Prefetch>
 inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64_t out_stride) {
   float sums[G] = {};
   int64_t k = 0;
@@ -82,8 +84,10 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
   const auto slice = [](const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   for (; k + 64 <= K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k + 32) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (Prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + 32) + kPrefetchBytes, _MM_HINT_T0);
+    }
     const __m512bh w0 = slice(w + k), w1 = slice(w + k + 32);
     for (int g = 0; g < G; ++g) {
       even[g] = _mm512_dpbf16_ps(even[g], w0, slice(x + g * K + k));
@@ -101,7 +105,7 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   __m256 even[G], odd[G];
   for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm256_setzero_ps();
   for (; k + 16 <= K; k += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
     const __m256 w0 = widen_bf16x8(w + k), w1 = widen_bf16x8(w + k + 8);
     for (int g = 0; g < G; ++g) {
       even[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * K + k), even[g]);
@@ -115,23 +119,40 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   for (int g = 0; g < G; ++g) out[g * out_stride] = sums[g];
 }
 
-template <int G>
+template <int G, bool Prefetch>
 void dot_row_rows(const bf16* w, const XValue* x, int64_t K, int rows, float* out, int64_t out_stride) {
   if constexpr (G > 1) {
-    if (rows < G) return dot_row_rows<G - 1>(w, x, K, rows, out, out_stride);
+    if (rows < G) return dot_row_rows<G - 1, Prefetch>(w, x, K, rows, out, out_stride);
   }
-  dot_row<G>(w, x, K, out, out_stride);
+  dot_row<G, Prefetch>(w, x, K, out, out_stride);
+}
+
+// Whether the weight of a product with `rows` x rows is prefetched in software (always on AVX2, where it was
+// not measured otherwise).
+inline bool software_prefetch(int64_t rows) {
+#ifdef QWEN36_BF16_AVX512
+  return rows > kHardwarePrefetchRows;
+#else
+  (void)rows;
+  return true;
+#endif
 }
 
 // y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows.
-void stream_rows(const XValue* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+template <bool Prefetch>
+void stream_rows_of(const XValue* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
   at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       // The weight row stays in L1 for the later groups of x rows.
       for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
-        dot_row_rows<kRowGroup>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)),
-                                y + n0 * M + m, M);
+        dot_row_rows<kRowGroup, Prefetch>(weight + m * K, x + n0 * K, K,
+                                          int(std::min<int64_t>(kRowGroup, N - n0)), y + n0 * M + m, M);
   });
+}
+
+void stream_rows(const XValue* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+  if (software_prefetch(N)) return stream_rows_of<true>(x, weight, N, M, K, y);
+  stream_rows_of<false>(x, weight, N, M, K, y);
 }
 
 #ifdef QWEN36_BF16_AVX512
@@ -148,7 +169,7 @@ inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // out[g * out_stride + j] = dot(w[j], x[g]) for W weight rows w[j] = w + j * K and G x rows (stride K).
-template <int G, int W>
+template <int G, int W, bool Prefetch>
 inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_t out_stride) {
   __m512 acc[G][W];
   for (int g = 0; g < G; ++g)
@@ -159,12 +180,12 @@ inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_
     __m512bh wv[W];
     // kPrefetchBytes ahead in each weight row, or in the same row of the next W when this row ends first
     // (a prefetch past the weight's end is dropped, never faults).
-    const int64_t ahead = k + kPrefetchBytes / int64_t(sizeof(bf16));
-    const bf16* prefetched = ahead < K ? w + ahead : w + W * K + (ahead - K);
-    for (int j = 0; j < W; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetched + j * K), _MM_HINT_T0);
-      wv[j] = slice(w + j * K + k);
+    if constexpr (Prefetch) {
+      const int64_t ahead = k + kPrefetchBytes / int64_t(sizeof(bf16));
+      const bf16* prefetched = ahead < K ? w + ahead : w + W * K + (ahead - K);
+      for (int j = 0; j < W; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetched + j * K), _MM_HINT_T0);
     }
+    for (int j = 0; j < W; ++j) wv[j] = slice(w + j * K + k);
     for (int g = 0; g < G; ++g) {
       const __m512bh xv = slice(x + g * K + k);
       for (int j = 0; j < W; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wv[j], xv);
@@ -190,30 +211,38 @@ inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_
   }
 }
 
-template <int W, int G = kRowGroup>
+template <int W, bool Prefetch, int G = kRowGroup>
 void dot_rows_of(const bf16* w, const bf16* x, int64_t K, int rows, float* out, int64_t out_stride) {
   if constexpr (G > 1) {
-    if (rows < G) return dot_rows_of<W, G - 1>(w, x, K, rows, out, out_stride);
+    if (rows < G) return dot_rows_of<W, Prefetch, G - 1>(w, x, K, rows, out, out_stride);
   }
-  dot_rows<G, W>(w, x, K, out, out_stride);
+  dot_rows<G, W, Prefetch>(w, x, K, out, out_stride);
 }
 
 // y[:, m:m + W] for all N x rows, kRowGroup x rows at a time (the W weight rows stay in cache for the later
 // groups).
-template <int W>
+template <int W, bool Prefetch>
 void weight_rows_times_x(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, int64_t m, float* y) {
   for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
-    dot_rows_of<W>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)), y + n0 * M + m, M);
+    dot_rows_of<W, Prefetch>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)),
+                             y + n0 * M + m, M);
 }
 
 // y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows: kWeightRows weight rows at a time (the
 // rows left over one at a time, with the same arithmetic).
-void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+template <bool Prefetch>
+void stream_row_blocks_of(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
   at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
     int64_t m = begin;
-    for (; m + kWeightRows <= end; m += kWeightRows) weight_rows_times_x<kWeightRows>(x, weight, N, M, K, m, y);
-    for (; m < end; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
+    for (; m + kWeightRows <= end; m += kWeightRows)
+      weight_rows_times_x<kWeightRows, Prefetch>(x, weight, N, M, K, m, y);
+    for (; m < end; ++m) weight_rows_times_x<1, Prefetch>(x, weight, N, M, K, m, y);
   });
+}
+
+void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+  if (software_prefetch(N)) return stream_row_blocks_of<true>(x, weight, N, M, K, y);
+  stream_row_blocks_of<false>(x, weight, N, M, K, y);
 }
 #endif
 
@@ -265,7 +294,7 @@ void stream_row_tiles(const bf16* x, const bf16* weight, int64_t N, int64_t M, i
     weight_tiles_times_x(x_pairs.data(), weight, N, M, K, begin * kTileRows, end - begin, y);
     optimum_qwen36::amx::release();
   });
-  for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
+  for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1, true>(x, weight, N, M, K, m, y);
 }
 #endif
 
