@@ -30,6 +30,7 @@ from optimum_qwen36.exporters import artifact, backends, regions
 from optimum_qwen36.exporters.backends import graphs_to_compile
 from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.compile_cache import CompileCache
+from optimum_qwen36.modeling.cache import PADDING_SLOT
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
 if BACKEND not in ("cpu", "cuda"):
@@ -413,7 +414,7 @@ def test_a_graph_refuses_a_call_outside_its_compiled_shapes(exported, no_compila
 
 def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) -> None:
     """Continuous batching on the compiled graphs: a request takes the slot another one freed, so decode
-    steps pass slots out of order ([1, 0]) and slot 1 decodes alone (padded with the scratch slot, 2); every
+    steps pass slots out of order ([1, 0]) and slot 1 decodes alone (padded with PADDING_SLOT, -1); every
     request gets the tokens of its solo run on eager, their log-probabilities within 1e-4."""
     checkpoint, _, _, model, _ = exported
     eager = NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="eager", **SETTINGS)
@@ -440,8 +441,7 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
         engine.run()
     finally:
         model.backend.graphs = graphs
-    scratch = model.new_cache().scratch_slot
-    assert [1, 0] in slots_seen and [1, scratch] in slots_seen, slots_seen
+    assert [1, 0] in slots_seen and [1, PADDING_SLOT] in slots_seen, slots_seen
     for request, prompt, setting in zip(held, prompts, params, strict=True):
         alone = eager.create_engine()
         request_id = alone.add_request(prompt, setting)

@@ -113,6 +113,26 @@ def test_native_ops_flush_denormals_in_their_workers_only(step: str) -> None:
     assert (tiny * 2).item() > 0 and (tiny + tiny).item() == pytest.approx(2e-39, rel=1e-3)
 
 
+@pytest.mark.parametrize("name", list(STEPS))
+def test_a_padding_row_leaves_the_real_rows_and_slots_as_they_are(name: str) -> None:
+    """Rows 1 and 3 are padding (slot -1, `PADDING_SLOT`): the real rows get bitwise what they get without
+    them. The native op moves no state for a padding row (every slot but the real rows' is left as it is,
+    the scratch slot too; its output is zeros); the PyTorch form computes it in the last slot."""
+    inputs, states, _ = _step_inputs((4, 2, 4, 16, 16), torch.float32, False, seed=3)
+    args = [inputs[n][:, 0] for n in ("q", "k", "v", "g", "beta")]
+    slots = torch.tensor([2, -1, 0, -1])
+    real = torch.tensor([0, 2])
+    alone_cache, padded_cache = states.clone(), states.clone()
+    alone = STEPS[name](*(a[real] for a in args), alone_cache, 1, slots[real], 0.25)
+    padded = STEPS[name](*args, padded_cache, 1, slots, 0.25)
+    assert torch.equal(padded[real], alone)
+    scratch = torch.zeros(3, 7, dtype=torch.bool)
+    scratch[1, -1] = True
+    assert torch.equal(padded_cache[~scratch], alone_cache[~scratch])
+    if name == "native":
+        assert torch.equal(padded_cache, alone_cache) and not padded[[1, 3]].any()
+
+
 @pytest.mark.skipif("native" not in STEPS, reason="the native CPU kernels cannot be built here")
 def test_native_step_refuses_a_slot_outside_the_cache() -> None:
     inputs, states, _ = _step_inputs((1, 2, 4, 16, 16), torch.float32, False, seed=0)

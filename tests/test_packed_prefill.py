@@ -311,6 +311,16 @@ def test_native_decode_conv_updates_the_cache_as_the_pytorch_form(dtype: torch.d
     assert torch.equal(out, packed)
     with pytest.raises(RuntimeError, match="slot 5 outside"):  # refused, never written past the cache
         causal_conv1d_decode_native(x, weight, native_cache, 1, torch.tensor([4, 0, 5]))
+    # A padding row (slot -1): no state moves for it, its output is zeros, the others' are as without it;
+    # the PyTorch form computes it in the last slot (the cache's scratch slot).
+    padded_slots = torch.tensor([4, -1, 2])
+    native_cache, torch_cache = cache.clone(), cache.clone()
+    padded = causal_conv1d_decode_native(x, weight, native_cache, 1, padded_slots)
+    assert not padded[1].any() and torch.equal(padded[[0, 2]], out[[0, 2]])
+    changed = (native_cache != cache).flatten(2).any(-1).nonzero().tolist()
+    assert changed == [[1, 2], [1, 4]]
+    causal_conv1d_decode(x, weight, torch_cache, 1, padded_slots)
+    assert torch.equal(torch_cache[1, -1, :, -1], x[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

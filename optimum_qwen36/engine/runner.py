@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exporters.base import StepBackend
-from ..modeling.cache import Qwen36HybridCache
+from ..modeling.cache import PADDING_SLOT, Qwen36HybridCache
 
 
 @dataclass
@@ -142,7 +142,7 @@ class ModelRunner:
         logits = self.backend.decode_step(
             self._padded_rows(tokens.to(torch.long), rows=rows).unsqueeze(1),
             self._padded_rows(positions.to(torch.long), rows=rows),
-            self._padded_rows(slots.to(torch.long), self.cache.scratch_slot, rows=rows),
+            self._padded_rows(slots.to(torch.long), PADDING_SLOT, rows=rows),
             self._padded_rows(tables, rows=rows),
             *self.cache.step_tensors(),
         )
@@ -196,7 +196,8 @@ class ModelRunner:
 
     def _padded_rows(self, values: torch.Tensor, fill: int = 0, rows: int = 0) -> torch.Tensor:
         """`values` (a row each, contiguous) with dummy rows of `fill` up to `rows` and at least the
-        backend's `min_step_rows` (a dummy row runs at position 0 of the null block, in the scratch slot)."""
+        backend's `min_step_rows` (a dummy row runs at position 0 of the null block, in the scratch slot or,
+        decoding, with `PADDING_SLOT`)."""
         missing = max(rows, self.backend.min_step_rows) - len(values)
         if missing <= 0:
             return values.contiguous()

@@ -14,6 +14,9 @@ from transformers.cache_utils import Cache
 from ..ops import huge_pages
 from .config import FULL_ATTENTION, LINEAR_ATTENTION
 
+# The slot of a decode step's padding row (ops.gdn.scratch_for_padding).
+PADDING_SLOT = -1
+
 
 class Qwen36HybridCache(Cache):
     """Static cache of a `NeuronQwen36ForCausalLM`, returned by `generate()` as `past_key_values`.
@@ -24,7 +27,8 @@ class Qwen36HybridCache(Cache):
     - `recurrent_state`: [n_gdn_layers, slots, HV, K, V], float32. Slots: one per row, then
       `snapshot_slots` (where a packed prefill call writes the states a prefix cache checkpoints inside its
       chunks: `snapshot_slot(i)`), then `scratch_slot`, the last, which belongs to no row: a static-batch
-      backend decodes its padding rows there.
+      backend decodes its padding rows there. A decode step's padding rows pass `PADDING_SLOT`, which the
+      PyTorch forms take as the scratch slot and the native cpu ops skip (no state is moved for them).
     - With `num_speculative_tokens` k > 0 (MTP speculative decoding): one more attention entry in the KV
       tensors, the MTP layer's, and `spec_conv_state` / `spec_recurrent_state` [n_gdn_layers, slots, k + 1,
       ...]: a verify step's GDN state after each of its k + 1 positions, per slot.

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..nki import causal_conv1d_update
+from .gdn import scratch_for_padding
 from .native import layer_index
 
 # (x, weight, conv_state, head_tokens, head_taps, conv_tail) -> (SiLU(conv) [N, D], new conv states)
@@ -136,7 +137,9 @@ def causal_conv1d_decode(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One decode step: row b's token x[b] convolved after the conv state of slot slots[b] in GDN cache entry
-    cache_idx, SiLU, in x's dtype; that state then becomes the row's last W - 1 inputs, in place."""
+    cache_idx, SiLU, in x's dtype; that state then becomes the row's last W - 1 inputs, in place. A padding
+    row (negative slot) runs in the last slot, the cache's scratch slot (the native op skips it: zeros)."""
+    slots = scratch_for_padding(slots, conv_state.shape[1])
     index = (torch.zeros_like(slots) + cache_idx, slots)
     out, new_state = causal_conv1d_update(x.unsqueeze(-1), conv_state[index], weight, activation="silu")
     # One index_put_ on the whole state tensor: compiled backends update it in place only in this form.

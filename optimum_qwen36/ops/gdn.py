@@ -4,7 +4,9 @@ a prefill chunk, each as a PyTorch form and a native CPU op.
 recurrent_state is the cache's whole float32 [L, slots, HV, K, V] tensor, of which entry `cache_idx`, slot
 slots[b] is row b's state; q and k are L2-normalised first (as `use_qk_l2norm_in_kernel=True`), q scaled.
 
-- decode step: q, k [B, H, K], v [B, HV, V], g (log decay) and beta [B, HV]; returns o [B, HV, V].
+- decode step: q, k [B, H, K], v [B, HV, V], g (log decay) and beta [B, HV]; returns o [B, HV, V]. A row
+  whose slot is negative is padding: the native op neither reads nor writes a state for it (its o is zeros),
+  the PyTorch form computes it in the last slot (the cache's scratch slot).
 - prefill chunk: q, k [1, T, H, K], v [1, T, HV, V], g and beta [1, T, HV], slots [S], cu_seqlens [S + 1] or
   None: sequence s is tokens cu_seqlens[s]..cu_seqlens[s + 1] (a packed prefill step), in slot slots[s]; None
   is one sequence (S = 1) of all T tokens. Tokens past a sequence's real ones carry g = 0 and beta = 0, so
@@ -41,6 +43,12 @@ GDNStep = Callable[..., torch.Tensor]
 GDNChunk = Callable[..., torch.Tensor]
 
 
+def scratch_for_padding(slots: torch.Tensor, slot_count: int) -> torch.Tensor:
+    """A decode step's slots with each negative one (a padding row) replaced by the last slot, the cache's
+    scratch slot: the PyTorch forms compute a padding row there (the native ops skip it)."""
+    return torch.where(slots < 0, slot_count - 1, slots)
+
+
 def gdn_decode_step_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,6 +60,7 @@ def gdn_decode_step_torch(
     slots: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    slots = scratch_for_padding(slots, recurrent_state.shape[1])
     state = recurrent_state[cache_idx, slots]
     o, new_state = fused_recurrent_gated_delta_rule(
         q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1), scale,

@@ -18,7 +18,8 @@
 // (one token per row), conv_state the cache's whole [L, slots, D, W - 1] tensor, of which entry cache_idx,
 // slot slots[b] is row b's state. Each row's output is computed as a packed token's (the same taps, the same
 // float32 sums), and its slot's state becomes its last W - 1 inputs, in place: no gathered copy of the
-// states, no scatter back.
+// states, no scatter back. A row with a negative slot is padding: no state is read or written, its output
+// is zeros.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -330,11 +331,12 @@ at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight, a
   TORCH_CHECK(layer >= 0 && layer < conv_state.size(0), "causal_conv1d_decode: cache entry ", layer,
               " outside the ", conv_state.size(0), " entries");
   const at::Tensor slot = slots.to(at::kLong).contiguous();
-  std::vector<int64_t> offsets(rows);
+  std::vector<int64_t> offsets(rows, -1);  // -1: a padding row
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t s = slot.data_ptr<int64_t>()[b];
-    TORCH_CHECK(s >= 0 && s < conv_state.size(1), "causal_conv1d_decode: slot ", s, " outside the ",
-                conv_state.size(1), " slots");
+    if (s < 0) continue;
+    TORCH_CHECK(s < conv_state.size(1), "causal_conv1d_decode: slot ", s, " outside the ", conv_state.size(1),
+                " slots");
     offsets[b] = layer * conv_state.stride(0) + s * conv_state.stride(1);
   }
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
@@ -350,6 +352,10 @@ at::Tensor causal_conv1d_decode(const at::Tensor& x, const at::Tensor& weight, a
       const optimum_qwen36::FlushDenormals flush_denormals;
       std::vector<float> scratch(channels);
       for (int64_t b = begin; b < end; ++b) {
+        if (offsets[b] < 0) {
+          std::fill(out_ptr + b * channels, out_ptr + (b + 1) * channels, T(0));
+          continue;
+        }
         if (w.scalar_type() == at::kFloat)
           decode_row(x_ptr + b * channels, w.data_ptr<float>(), channels, width, state + offsets[b],
                      scratch.data(), out_ptr + b * channels);

@@ -6,6 +6,8 @@
 // [L, slots, HV, K, V] float32, of which layer `cache_idx`, slot slots[b] is row b's state S. With q and k
 // L2-normalised (eps 1e-6, as the flash-linear-attention kernels) and q scaled:
 //   S' = e^g S,  delta = beta (v - k^T S'),  o = q^T S' + (q . k) delta,  S <- S' + k delta^T.
+// A decode step's row with a negative slot is padding (the batched graphs' dummy row): its state is neither read
+// nor written and its output is zeros.
 // A decode step is bound by moving the states (64 KB per value head of Qwen3.6): each state is read once
 // for k^T S and q^T S together and then rewritten from the cache, instead of being gathered into a copy,
 // read, rebuilt and scattered back as the PyTorch form of the same step does. All arithmetic is float32.
@@ -26,15 +28,18 @@ using optimum_qwen36::delta_rule_token;
 using optimum_qwen36::FlushDenormals;
 using optimum_qwen36::HeadScratch;
 
-// The state of each row's slot in layer `cache_idx`, checked.
+// The state of each row's slot in layer `cache_idx`, checked; with `padding`, null for a row whose slot is
+// negative (a padding row).
 std::vector<float*> row_states(at::Tensor& states, const at::Tensor& cache_idx, const at::Tensor& slots,
-                               const char* op) {
+                               const char* op, bool padding = false) {
   TORCH_CHECK(cache_idx.numel() == 1, op, ": one layer");
   const int64_t layer = cache_idx.item<int64_t>();
   const at::Tensor slot = slots.to(at::kLong).contiguous();
   std::vector<float*> rows(slot.numel());
-  for (int64_t b = 0; b < slot.numel(); ++b)
-    rows[b] = optimum_qwen36::slot_state(states, layer, slot.data_ptr<int64_t>()[b], op);
+  for (int64_t b = 0; b < slot.numel(); ++b) {
+    const int64_t s = slot.data_ptr<int64_t>()[b];
+    rows[b] = padding && s < 0 ? nullptr : optimum_qwen36::slot_state(states, layer, s, op);
+  }
   return rows;
 }
 
@@ -49,18 +54,22 @@ at::Tensor gdn_decode_step(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(g.sizes() == v.sizes().slice(0, 2) && beta.sizes() == g.sizes(), "gdn_decode_step: g, beta [B, HV]");
   optimum_qwen36::check_recurrent_state(recurrent_state, v_heads, k_dim, v_dim, "gdn_decode_step");
   TORCH_CHECK(slots.numel() == batch, "gdn_decode_step: one slot per row");
-  const std::vector<float*> states = row_states(recurrent_state, cache_idx, slots, "gdn_decode_step");
+  const std::vector<float*> states = row_states(recurrent_state, cache_idx, slots, "gdn_decode_step", true);
   const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
   const at::Tensor vf = v.to(at::kFloat).contiguous(), gf = g.to(at::kFloat).contiguous();
   const at::Tensor bf = beta.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({batch, v_heads, v_dim}, v.options().dtype(at::kFloat));
+  at::Tensor out = at::zeros({batch, v_heads, v_dim}, v.options().dtype(at::kFloat));
   const int64_t group = v_heads / k_heads, state_size = k_dim * v_dim;
+  // The rows that have a slot: the (row, head) pairs of those only are shared among the threads.
+  std::vector<int64_t> real_rows;
+  for (int64_t b = 0; b < batch; ++b)
+    if (states[b] != nullptr) real_rows.push_back(b);
 
-  at::parallel_for(0, batch * v_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(real_rows.size()) * v_heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush_denormals;
     HeadScratch scratch(k_dim, v_dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / v_heads, hv = i % v_heads, h = hv / group;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = real_rows[item / v_heads], hv = item % v_heads, h = hv / group, i = b * v_heads + hv;
       float* state = states[b] + hv * state_size;
       delta_rule_token(qf.data_ptr<float>() + (b * k_heads + h) * k_dim,
                        kf.data_ptr<float>() + (b * k_heads + h) * k_dim, vf.data_ptr<float>() + i * v_dim,
