@@ -6,11 +6,12 @@
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in
 // sequential streams. From kHardwarePrefetchRows + 1 x rows on, the weight is also prefetched kPrefetchBytes
 // ahead in software (the hardware prefetcher falls behind the slower loop of several x rows); for fewer rows
-// the hardware prefetcher keeps up alone, and software prefetches only cost (on the AMD EPYC, Zen 4). Weights with rows of kBlockedMinFeatures values or more go
-// kWeightRows rows at a time: each x slice is loaded once for those rows, and their accumulators' lanes are
-// summed together at the end, so a few x rows cost little more than one (one weight row at a time, the x
-// loads and the horizontal sums, not the memory, bound those rows); shorter rows keep the one-row loop, which
-// measured faster for them at one to three x rows.
+// the hardware prefetcher keeps up alone, and software prefetches only cost (on the AMD EPYC, Zen 4).
+// Weights with rows of kBlockedMinFeatures values or more go kWeightRows rows at a time: each x slice is
+// loaded once for those rows, and their accumulators' lanes are summed together at the end, so a few x rows
+// cost little more than one (one weight row at a time, the x loads and the horizontal sums, not the memory,
+// bound those rows); shorter rows keep the one-row loop, which measured faster for them at one to three x
+// rows.
 // With AMX (and Linux granting this process the tile data), weights whose rows are a multiple of 32 values go
 // 16 weight rows at a time through the tile unit instead: C[16 weight rows, x rows] += A[16 weight rows, 32
 // values] * B[32 values, x rows], A loaded straight from the row-major weight (16 strided 64-byte loads), B

@@ -80,6 +80,13 @@ void from_float(const float* src, int64_t n, c10::BFloat16* dst) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 bf16 values -> 16 float32, exactly (a bf16 is the high half of a float32).
+inline __m512 widen16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // One token's output row from its taps (rows[tap]: x rows, null where the tap is before the first token):
 // the taps' products summed, SiLU, rounded to T; 16 channels at a time, nothing stored in between.
 template <typename T>
@@ -92,8 +99,7 @@ void conv_row(const T* const* rows, const float* w, int64_t width, int64_t chann
       __m512 sum = _mm512_setzero_ps();
       for (int64_t tap = 0; tap < width; ++tap) {
         if (rows[tap] == nullptr) continue;
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[tap] + d));
-        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        const __m512 x = widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[tap] + d)));
         sum = _mm512_fmadd_ps(x, _mm512_loadu_ps(w + tap * channels + d), sum);
       }
       _mm512_store_ps(lanes, silu(sum));
@@ -196,16 +202,9 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d_varlen(const at::Tensor& x, con
 
 constexpr int64_t kMaxDecodeWidth = 8;  // taps of a decode step's conv (Qwen3.5 / 3.6: 4)
 
-// One decode row: out[d] = SiLU(sum over the taps of window[tap][d] * weight[d][tap]), the window being the
-// state's W - 1 inputs (state [D, W - 1]) then x; summed as conv_row sums (fused multiply-adds in tap order,
-// 16 channels at a time, the same SiLU; the remaining channels as its scalar tail), so a row's output is
-// bitwise the same token's in the varlen op. The weight is read as it lies ([D, W], any float dtype). The
-// state then takes the row's last W - 1 inputs, in place.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 bf16 values (the low half of v) -> 16 float32, exactly.
-inline __m512 widen_low16(__m512i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-}
+// The 16 bf16 values in the low half of v -> 16 float32.
+inline __m512 widen_low16(__m512i v) { return widen16(_mm512_castsi512_si256(v)); }
 
 // The 32 16-bit lanes of an index vector from f(lane).
 template <typename F>
@@ -216,8 +215,9 @@ __m512i lanes16(F f) {
 }
 
 // decode_row's 16-channel blocks for a 4-tap conv of bf16 values: the 48 state values and 64 weights of a
-// block are loaded whole (two registers of 32 values each) and rearranged by 16-bit lane permutes (the scalar loops below, one value at a time,
-// took ~25 us per row of 6144 channels). Returns the channels done (a multiple of 16).
+// block are loaded whole (two registers of 32 values each) and rearranged by 16-bit lane permutes (the
+// scalar loops below, one value at a time, took ~25 us per row of 6144 channels). Returns the channels done
+// (a multiple of 16).
 int64_t decode_blocks_w4(const c10::BFloat16* x, const c10::BFloat16* weight, int64_t channels, c10::BFloat16* state,
                          c10::BFloat16* out) {
   // Tap j of channel c is state value 3c + j (j < 3) and weight 4c + j. The new state value i is the old
@@ -268,6 +268,11 @@ int64_t decode_blocks_w4(const c10::BFloat16* x, const c10::BFloat16* weight, in
 }
 #endif
 
+// One decode row: out[d] = SiLU(sum over the taps of window[tap][d] * weight[d][tap]), the window being the
+// state's W - 1 inputs (state [D, W - 1]) then x; summed as conv_row sums (fused multiply-adds in tap order,
+// 16 channels at a time, the same SiLU; the remaining channels as its scalar tail), so a row's output is
+// bitwise the same token's in the varlen op. The weight is read as it lies ([D, W], any float dtype). The
+// state then takes the row's last W - 1 inputs, in place.
 template <typename T, typename W>
 void decode_row(const T* x, const W* weight, int64_t channels, int64_t width, T* state, float* scratch, T* out) {
   const int64_t history = width - 1;
@@ -374,7 +379,9 @@ TORCH_LIBRARY_FRAGMENT(optimum_qwen36, m) {
   m.def(
       "causal_conv1d_varlen(Tensor x, Tensor weight, Tensor conv_state, Tensor head_tokens, Tensor head_taps, "
       "Tensor conv_tail) -> (Tensor, Tensor)");
-  m.def("causal_conv1d_decode(Tensor x, Tensor weight, Tensor(a!) conv_state, Tensor cache_idx, Tensor slots) -> Tensor");
+  m.def(
+      "causal_conv1d_decode(Tensor x, Tensor weight, Tensor(a!) conv_state, Tensor cache_idx, Tensor slots) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_qwen36, CPU, m) {
