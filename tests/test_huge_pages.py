@@ -4,6 +4,7 @@ nothing moves where the OS has no transparent huge pages."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,10 @@ def test_moved_tensors_keep_their_values_and_ties_in_advised_memory() -> None:
     assert module.view.data_ptr() == view_address  # a view is left where it is
     for tensor in (module.embed.weight, module.norm.bias, module.table):
         assert advised_for_huge_pages(tensor.data_ptr())
-    assert not advised_for_huge_pages(before["table"].data_ptr())
+    # The flag tells advised memory apart: a fresh mapping nobody advised lacks it. (The originals' heap is
+    # no control: malloc or a library may advise it, as one CI worker's was.)
+    plain = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert not advised_for_huge_pages(torch.frombuffer(plain, dtype=torch.uint8).data_ptr())
     out = module.head(module.norm(module.embed(torch.tensor([[1, 2]]))))  # still an ordinary module
     assert out.shape == (1, 2, 300)
 
