@@ -4,13 +4,14 @@
 // multiplies every 32-value slice of a weight row with up to kRowGroup x rows by AVX-512 BF16 dot products
 // (vdpbf16ps: bf16 pairs multiplied exactly, summed in float32). A decode step reads every weight once, so
 // its time follows how close this loop comes to the memory's read bandwidth: the weight is read in
-// sequential streams. From kHardwarePrefetchRows + 1 x rows on, the weight is also prefetched kPrefetchBytes
-// ahead in software (the hardware prefetcher falls behind the slower loop of several x rows); for fewer rows
-// the hardware prefetcher keeps up alone, and software prefetches only cost (on the AMD EPYC, Zen 4).
+// sequential streams, and prefetched in software kPrefetchBytes ahead into L2 (the hardware prefetcher falls
+// behind the slower loops of several x rows, and of several weight rows at a time): in the one-row loop from
+// kHardwarePrefetchRows + 1 x rows on (for fewer the hardware prefetcher keeps up alone and software
+// prefetches only cost), in the blocked loop always (measured on the AMD EPYC, Zen 4: docs/EXPORT.md 1c).
 // Weights with rows of kBlockedMinFeatures values or more go kWeightRows rows at a time: each x slice is
 // loaded once for those rows, and their accumulators' lanes are summed together at the end, so a few x rows
 // cost little more than one (one weight row at a time, the x loads and the horizontal sums, not the memory,
-// bound those rows); shorter rows keep the one-row loop, which measured faster for them at one to three x
+// bound those rows); shorter rows keep the one-row loop, which measured faster for them at one to eight x
 // rows.
 // With AMX (and Linux granting this process the tile data), weights whose rows are a multiple of 32 values go
 // 16 weight rows at a time through the tile unit instead: C[16 weight rows, x rows] += A[16 weight rows, 32
@@ -50,12 +51,20 @@
 namespace {
 
 constexpr int64_t kStreamRows = 16;      // x rows up to this count stream the weight
-constexpr int kRowGroup = 4;             // x rows sharing one pass over the weight rows
+// x rows sharing one pass over a weight row (the one-row loop: two accumulators per x row, within the 32
+// AVX-512 registers; AVX2 has 16)
+#ifdef QWEN36_BF16_AVX512
+constexpr int kRowGroup = 8;
+#else
+constexpr int kRowGroup = 4;
+#endif
+constexpr int kBlockRowGroup = 4;        // x rows sharing one pass over kWeightRows weight rows
 constexpr int kWeightRows = 4;           // weight rows sharing each load of an x slice (AVX-512 BF16: at
                                          // most 4, the lanes one sum_lanes4 adds up)...
 constexpr int64_t kBlockedMinFeatures = 2048;  // ...in weights with rows of at least this many values
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the weight is prefetched...
-constexpr int64_t kHardwarePrefetchRows = 3;  // ...beyond this many x rows (AVX-512 BF16)
+constexpr int64_t kPrefetchBytes = 32768;     // how far ahead of the loads the weight is prefetched (L2)...
+constexpr int64_t kHardwarePrefetchRows = 3;  // ...in the one-row loop beyond this many x rows (AVX-512 BF16)
+constexpr int64_t kWidenedPrefetchBytes = 2048;  // the same into L1, for the AVX2 loop and the AMX tiles
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
 constexpr int64_t kTileBytes = 4 << 20;   // widened weight rows per tile, for more than kStreamRows x rows
 
@@ -86,8 +95,8 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   const auto slice = [](const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   for (; k + 64 <= K; k += 64) {
     if constexpr (Prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + 32) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + 32) + kPrefetchBytes, _MM_HINT_T1);
     }
     const __m512bh w0 = slice(w + k), w1 = slice(w + k + 32);
     for (int g = 0; g < G; ++g) {
@@ -106,7 +115,8 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   __m256 even[G], odd[G];
   for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm256_setzero_ps();
   for (; k + 16 <= K; k += 16) {
-    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (Prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kWidenedPrefetchBytes, _MM_HINT_T0);
     const __m256 w0 = widen_bf16x8(w + k), w1 = widen_bf16x8(w + k + 8);
     for (int g = 0; g < G; ++g) {
       even[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * K + k), even[g]);
@@ -128,7 +138,7 @@ void dot_row_rows(const bf16* w, const XValue* x, int64_t K, int rows, float* ou
   dot_row<G, Prefetch>(w, x, K, out, out_stride);
 }
 
-// Whether the weight of a product with `rows` x rows is prefetched in software (always on AVX2, where it was
+// Whether the one-row loop prefetches the weight in software for `rows` x rows (always on AVX2, where it was
 // not measured otherwise).
 inline bool software_prefetch(int64_t rows) {
 #ifdef QWEN36_BF16_AVX512
@@ -170,7 +180,7 @@ inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // out[g * out_stride + j] = dot(w[j], x[g]) for W weight rows w[j] = w + j * K and G x rows (stride K).
-template <int G, int W, bool Prefetch>
+template <int G, int W>
 inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_t out_stride) {
   __m512 acc[G][W];
   for (int g = 0; g < G; ++g)
@@ -179,13 +189,10 @@ inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[W];
-    // kPrefetchBytes ahead in each weight row, or in the same row of the next W when this row ends first
+    // kPrefetchBytes ahead of each of the W loads: over the stream of blocks every line is prefetched once
     // (a prefetch past the weight's end is dropped, never faults).
-    if constexpr (Prefetch) {
-      const int64_t ahead = k + kPrefetchBytes / int64_t(sizeof(bf16));
-      const bf16* prefetched = ahead < K ? w + ahead : w + W * K + (ahead - K);
-      for (int j = 0; j < W; ++j) _mm_prefetch(reinterpret_cast<const char*>(prefetched + j * K), _MM_HINT_T0);
-    }
+    for (int j = 0; j < W; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k) + kPrefetchBytes, _MM_HINT_T1);
     for (int j = 0; j < W; ++j) wv[j] = slice(w + j * K + k);
     for (int g = 0; g < G; ++g) {
       const __m512bh xv = slice(x + g * K + k);
@@ -212,38 +219,32 @@ inline void dot_rows(const bf16* w, const bf16* x, int64_t K, float* out, int64_
   }
 }
 
-template <int W, bool Prefetch, int G = kRowGroup>
+template <int W, int G = kBlockRowGroup>
 void dot_rows_of(const bf16* w, const bf16* x, int64_t K, int rows, float* out, int64_t out_stride) {
   if constexpr (G > 1) {
-    if (rows < G) return dot_rows_of<W, Prefetch, G - 1>(w, x, K, rows, out, out_stride);
+    if (rows < G) return dot_rows_of<W, G - 1>(w, x, K, rows, out, out_stride);
   }
-  dot_rows<G, W, Prefetch>(w, x, K, out, out_stride);
+  dot_rows<G, W>(w, x, K, out, out_stride);
 }
 
-// y[:, m:m + W] for all N x rows, kRowGroup x rows at a time (the W weight rows stay in cache for the later
-// groups).
-template <int W, bool Prefetch>
+// y[:, m:m + W] for all N x rows, kBlockRowGroup x rows at a time (the W weight rows stay in cache for the
+// later groups).
+template <int W>
 void weight_rows_times_x(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, int64_t m, float* y) {
-  for (int64_t n0 = 0; n0 < N; n0 += kRowGroup)
-    dot_rows_of<W, Prefetch>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kRowGroup, N - n0)),
-                             y + n0 * M + m, M);
+  for (int64_t n0 = 0; n0 < N; n0 += kBlockRowGroup)
+    dot_rows_of<W>(weight + m * K, x + n0 * K, K, int(std::min<int64_t>(kBlockRowGroup, N - n0)),
+                   y + n0 * M + m, M);
 }
 
 // y [N, M] (float32) for x [N, K], weight [M, K], N <= kStreamRows: kWeightRows weight rows at a time (the
 // rows left over one at a time, with the same arithmetic).
-template <bool Prefetch>
-void stream_row_blocks_of(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
+void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
   at::parallel_for(0, M, kGrain, [&](int64_t begin, int64_t end) {
     int64_t m = begin;
     for (; m + kWeightRows <= end; m += kWeightRows)
-      weight_rows_times_x<kWeightRows, Prefetch>(x, weight, N, M, K, m, y);
-    for (; m < end; ++m) weight_rows_times_x<1, Prefetch>(x, weight, N, M, K, m, y);
+      weight_rows_times_x<kWeightRows>(x, weight, N, M, K, m, y);
+    for (; m < end; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
   });
-}
-
-void stream_row_blocks(const bf16* x, const bf16* weight, int64_t N, int64_t M, int64_t K, float* y) {
-  if (software_prefetch(N)) return stream_row_blocks_of<true>(x, weight, N, M, K, y);
-  stream_row_blocks_of<false>(x, weight, N, M, K, y);
 }
 #endif
 
@@ -267,7 +268,7 @@ void weight_tiles_times_x(const bf16* x_pairs, const bf16* weight, int64_t N, in
     _tile_zero(ACC_TILE);
     for (int64_t k = 0; k < K; k += kTileValues) {
       for (int64_t r = 0; r < kTileRows; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kWidenedPrefetchBytes, _MM_HINT_T0);
       _tile_loadd(X_TILE, x_pairs + k * N, N * 2 * int64_t(sizeof(bf16)));
       _tile_loadd(WEIGHT_TILE, w + k, K * int64_t(sizeof(bf16)));
       _tile_dpbf16ps(ACC_TILE, WEIGHT_TILE, X_TILE);
@@ -295,7 +296,7 @@ void stream_row_tiles(const bf16* x, const bf16* weight, int64_t N, int64_t M, i
     weight_tiles_times_x(x_pairs.data(), weight, N, M, K, begin * kTileRows, end - begin, y);
     optimum_qwen36::amx::release();
   });
-  for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1, true>(x, weight, N, M, K, m, y);
+  for (int64_t m = tiles * kTileRows; m < M; ++m) weight_rows_times_x<1>(x, weight, N, M, K, m, y);
 }
 #endif
 

@@ -39,7 +39,12 @@ constexpr int64_t kRowGroup = 4;    // float32 path: x rows sharing one pass ove
 constexpr int64_t kTileRows = 1024;  // output features dequantized per tile for the matrix path...
 constexpr int64_t kWholeWeightRows = 256;  // ...up to this many x rows; from here, as many as fit:
 constexpr int64_t kMaxTileElements = int64_t(16) << 20;
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the bf16 path prefetches the weight
+// How far ahead of the loads the bf16 path prefetches the weight: into L2 far ahead for up to
+// kFarPrefetchRows x rows (bound by memory), into L1 near for more (bound by the byte conversion, where the
+// far prefetch measured slower; bench_matvec.py --fp8).
+constexpr int64_t kFarPrefetchBytes = 16384;
+constexpr int64_t kNearPrefetchBytes = 2048;
+constexpr int kFarPrefetchRows = 4;
 
 inline float e4m3_to_float(uint8_t byte) {
   return static_cast<float>(c10::bit_cast<c10::Float8_e4m3fn>(byte));
@@ -186,7 +191,10 @@ inline void dot_weight_row_bf16(const uint8_t* w_row, const float* scale_row, co
     for (int g = 0; g < G; ++g) chain[g] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kPrefetchBytes, _MM_HINT_T0);
+      if constexpr (G <= kFarPrefetchRows)
+        _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kFarPrefetchBytes, _MM_HINT_T1);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(w_row + k) + kNearPrefetchBytes, _MM_HINT_T0);
       __m512i first, second;
       e4m3x64_to_bf16(w_row + k, tables, first, second);
       const __m512bh w0 = (__m512bh)first, w1 = (__m512bh)second;
