@@ -14,9 +14,11 @@ Measures, in one run:
 - with `--fp8 mlp linear`: the same model with those linear layers quantized to FP8 at export (same compute
   dtype), each with its weight bytes and the resident memory its load added, measured in the same rounds;
 - with `--llama-bench BIN --gguf q8_0=FILE ...` (or $LLAMA_BENCH): llama.cpp's `llama-bench` on GGUF files
-  of the same checkpoint (prefill at the same prompt lengths, decode of --decode-steps tokens, batch 1, same
-  threads); without them the JSON and the table say it was skipped. `--write-checkpoint DIR` writes the
-  default random checkpoint (with the tokenizer files and chat template) for the GGUF converter and exits;
+  of the same checkpoint, same threads: its batch-1 decode of --decode-steps tokens alternated round by round
+  with ours (one `llama-bench -r 1` per round; the table adds the per-round ratio), its prefill at the same
+  prompt lengths after ours; without them the JSON and the table say it was skipped. `--write-checkpoint DIR`
+  writes the default random checkpoint (with the tokenizer files and chat template) for the GGUF converter
+  and exits;
 - with `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON; `--vllm-env SCRIPT` is sourced first, e.g.
   ../shared/peers/vllm_env.sh): vLLM-CPU's offline `LLM.generate` on the same token ids (prefill at each
   length, decode at batch 1 and the compiled batch), after ours; else said skipped. The table gives ours
@@ -325,12 +327,17 @@ def decode_measures(systems: dict, reference, rows: int, steps: int) -> dict[str
     return measures
 
 
-def run_benchmarks(systems: dict, reference, args: argparse.Namespace) -> tuple[dict, dict]:
+def run_benchmarks(
+    systems: dict, reference, args: argparse.Namespace, peer_decoders: dict[str, Callable[[], float]]
+) -> tuple[dict, dict]:
     """(results per system: prefill_tok_s / decode_tok_s per length / batch as spreads, speed-ups of each of
-    our systems over transformers and of each FP8 variant over the unquantized model, per round)."""
-    results: dict = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in (*systems, THEIRS)}
+    our systems over transformers, of each FP8 variant over the unquantized model and of ours over each peer
+    whose batch-1 decode runs in the same rounds (`peer_decoders`), per round)."""
+    sides = (*systems, THEIRS, *peer_decoders)
+    results: dict = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in sides}
     main, *variants = systems
     pairs = [(name, THEIRS) for name in systems] + [(name, main) for name in variants]
+    pairs += [(main, peer) for peer in peer_decoders]
     speedup: dict = {}
     work = []
     for length in args.prompt_lengths:
@@ -341,6 +348,8 @@ def run_benchmarks(systems: dict, reference, args: argparse.Namespace) -> tuple[
     for label, metric, key, tokens, setup in work:
         make = prefill_measures if metric == "prefill_tok_s" else decode_measures
         measures = make(*setup) if make is prefill_measures else make(*setup, args.decode_steps)
+        if label == "decode batch 1":
+            measures.update(peer_decoders)
         runs = alternate(measures, args.repeats)
         for side, seconds in runs.items():
             results[side][metric][key] = rates(tokens, seconds)
@@ -351,43 +360,52 @@ def run_benchmarks(systems: dict, reference, args: argparse.Namespace) -> tuple[
                 )
         cells = [f"{side} {fmt(results[side][metric][key])} tok/s" for side in runs]
         print(f"{label}: " + ", ".join(cells), flush=True)
-    return {name: r for name, r in results.items() if r["prefill_tok_s"]}, speedup
+    return {name: r for name, r in results.items() if r["prefill_tok_s"] or r["decode_tok_s"]}, speedup
 
 
-def llama_bench(binary: str, label: str, gguf: str, args: argparse.Namespace) -> dict:
-    """llama-bench's prefill (-p) and decode (-n) rates on one GGUF, as spreads of its repetitions."""
-    command = [
-        binary, "-m", gguf, "-p", ",".join(map(str, args.prompt_lengths)), "-n", str(args.decode_steps),
-        "-t", str(torch.get_num_threads()), "-r", str(args.repeats), "-o", "json",
+def llama_bench_command(binary: str, gguf: str, prompts: str, steps: int, repeats: int) -> list[str]:
+    return [
+        binary, "-m", gguf, "-p", prompts, "-n", str(steps), "-t", str(torch.get_num_threads()),
+        "-r", str(repeats), "-o", "json",
     ]  # fmt: skip
-    print(f"llama.cpp {label}: {' '.join(command)}", flush=True)
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    print(out, flush=True)
-    result: dict = {"prefill_tok_s": {}, "decode_tok_s": {}, "command": portable(" ".join(command))}
-    for test in json.loads(out):
-        samples = spread(test["samples_ts"])
-        if test["n_gen"] == 0:
-            result["prefill_tok_s"][str(test["n_prompt"])] = samples
-        else:
-            result["decode_tok_s"]["1"] = samples
-    return result
 
 
-def run_llama_cpp(args: argparse.Namespace) -> tuple[dict, dict]:
-    """(results by system name, why each requested or possible peer run was skipped)."""
+def llama_decode_measure(command: list[str], steps: int) -> Callable[[], float]:
+    """One llama-bench batch-1 decode of `steps` tokens (`command`: one repetition), as seconds: a measure
+    that `alternate` runs in the same rounds as ours (on a shared machine the drift between two separate runs
+    is as large as the difference measured)."""
+
+    def run() -> float:
+        (test,) = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+        return steps / test["samples_ts"][0]
+
+    return run
+
+
+def llama_ggufs(args: argparse.Namespace) -> tuple[dict[str, str], dict]:
+    """({'llama.cpp <label>': GGUF path} of the runnable ones, why each requested or possible run is
+    skipped)."""
     if not args.llama_bench or not Path(args.llama_bench).is_file():
         reason = f"llama-bench not found at {args.llama_bench!r}" if args.llama_bench else "no --llama-bench"
         return {}, {"llama.cpp": f"skipped: {reason} (nor $LLAMA_BENCH); ../shared/peers/ builds it"}
-    results, skipped = {}, {}
+    ggufs, skipped = {}, {}
     for spec in args.gguf:
         label, _, path = spec.partition("=")
-        if not Path(path).is_file():
+        if Path(path).is_file():
+            ggufs[f"llama.cpp {label}"] = path
+        else:
             skipped[f"llama.cpp {label}"] = f"skipped: no GGUF file at {path!r}"
-            continue
-        results[f"llama.cpp {label}"] = llama_bench(args.llama_bench, label, path, args)
     if not args.gguf:
         skipped["llama.cpp"] = "skipped: no --gguf LABEL=FILE given"
-    return results, skipped
+    return ggufs, skipped
+
+
+def llama_bench_prefill(command: list[str]) -> dict:
+    """llama-bench's prefill rates (`command`: -p lengths -n 0), as spreads of its repetitions."""
+    print(" ".join(command), flush=True)
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    print(out, flush=True)
+    return {str(test["n_prompt"]): spread(test["samples_ts"]) for test in json.loads(out)}
 
 
 VLLM_SCRIPT = r"""
@@ -450,7 +468,8 @@ def run_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[dic
 
 
 def peer_ratios(results: dict, ours: str) -> dict:
-    """ours / each peer, as the ratio of the medians (peers run after ours, not alternated round by round)."""
+    """ours / each peer, as the ratio of the medians (what runs after ours; llama.cpp's batch-1 decode, which
+    runs in the same rounds, also has its per-round ratio among the speed-ups)."""
     ratios: dict = {}
     peers = [name for name in results if name.startswith(("llama.cpp", "vLLM"))]
     for name in peers:
@@ -606,11 +625,25 @@ def main() -> None:
         if not args.skip_transformers:
             reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
             reference.generation_config.eos_token_id = None
+        ggufs, skipped = llama_ggufs(args)
+        lengths = ",".join(map(str, args.prompt_lengths))
+        commands = {
+            name: {
+                "decode": llama_bench_command(args.llama_bench, path, "0", args.decode_steps, 1),
+                "prefill": llama_bench_command(args.llama_bench, path, lengths, 0, args.repeats),
+            }
+            for name, path in ggufs.items()
+        }
+        decoders = {
+            name: llama_decode_measure(c["decode"], args.decode_steps) for name, c in commands.items()
+        }
         phase = time.perf_counter()
-        results, speedup = run_benchmarks(systems, reference, args)
+        results, speedup = run_benchmarks(systems, reference, args, decoders)
         phases["benchmarks_s"] = time.perf_counter() - phase
-        peers, skipped = run_llama_cpp(args)
-        results.update(peers)
+        for name, command in commands.items():
+            peer = results.setdefault(name, {"prefill_tok_s": {}, "decode_tok_s": {}})
+            peer["prefill_tok_s"] = llama_bench_prefill(command["prefill"])
+            peer["commands"] = {kind: portable(" ".join(c)) for kind, c in command.items()}
         peers, vllm_skipped = run_vllm(checkpoint, ours.config.vocab_size, args)
         results.update(peers)
         skipped.update(vllm_skipped)
@@ -640,9 +673,10 @@ def main() -> None:
             },
             "decode": "generate(max_new_tokens=decode_steps + 1), greedy, no EOS, the same 16-token prompts "
             "on both sides; rate = rows * decode_steps / (time of the last new token - time of the first)",
-            "llama.cpp": "llama-bench -p <prompt lengths> -n <decode steps> -t <threads> -r <repeats>, run "
-            "right after ours (not alternated): pp = prompt tokens / s for one sequence (logits of the last "
-            "token), tg = tokens / s generating from an empty context, one row",
+            "llama.cpp": "decode: llama-bench -p 0 -n <decode steps> -t <threads> -r 1, once per round "
+            "alternated with ours (tg = tokens / s generating from an empty context, one row); prefill: "
+            "llama-bench -p <prompt lengths> -n 0 -t <threads> -r <repeats>, run right after ours (pp = "
+            "prompt tokens / s for one sequence, logits of the last token)",
             "vLLM": "vllm.LLM (enforce_eager, prefix caching off, max_num_seqs = batch) on our token ids, "
             "run after ours: prefill = prompt tokens / wall time of generate(max_tokens=1); decode = rows * "
             "decode_steps / (last token time - first token time) with max_tokens = decode_steps + 1",
