@@ -64,7 +64,7 @@ constexpr int kWeightRows = 4;           // weight rows sharing each load of an 
 constexpr int64_t kBlockedMinFeatures = 2048;  // ...in weights with rows of at least this many values
 constexpr int64_t kPrefetchBytes = 32768;     // how far ahead of the loads the weight is prefetched (L2)...
 constexpr int64_t kHardwarePrefetchRows = 3;  // ...in the one-row loop beyond this many x rows (AVX-512 BF16)
-constexpr int64_t kWidenedPrefetchBytes = 2048;  // the same into L1, for the AVX2 loop and the AMX tiles
+constexpr int64_t kNearPrefetchBytes = 2048;  // the same into L1, for the AVX2 loop and the AMX tiles
 constexpr int64_t kGrain = 16;            // weight rows per parallel work item, at least
 constexpr int64_t kTileBytes = 4 << 20;   // widened weight rows per tile, for more than kStreamRows x rows
 
@@ -116,7 +116,7 @@ inline void dot_row(const bf16* w, const XValue* x, int64_t K, float* out, int64
   for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm256_setzero_ps();
   for (; k + 16 <= K; k += 16) {
     if constexpr (Prefetch)
-      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kWidenedPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + kNearPrefetchBytes, _MM_HINT_T0);
     const __m256 w0 = widen_bf16x8(w + k), w1 = widen_bf16x8(w + k + 8);
     for (int g = 0; g < G; ++g) {
       even[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * K + k), even[g]);
@@ -268,7 +268,7 @@ void weight_tiles_times_x(const bf16* x_pairs, const bf16* weight, int64_t N, in
     _tile_zero(ACC_TILE);
     for (int64_t k = 0; k < K; k += kTileValues) {
       for (int64_t r = 0; r < kTileRows; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kWidenedPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kNearPrefetchBytes, _MM_HINT_T0);
       _tile_loadd(X_TILE, x_pairs + k * N, N * 2 * int64_t(sizeof(bf16)));
       _tile_loadd(WEIGHT_TILE, w + k, K * int64_t(sizeof(bf16)));
       _tile_dpbf16ps(ACC_TILE, WEIGHT_TILE, X_TILE);
