@@ -41,9 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
-import subprocess
 import tempfile
 import time
 from collections import deque
@@ -52,7 +50,7 @@ from pathlib import Path
 
 import torch
 from bench_generate import random_checkpoint
-from timing import VLLM_PYTHON_ENV, add_vllm_arguments, command_line, fmt, machine, peer_command, spread
+from timing import VLLM_PYTHON_ENV, PeerProcess, add_vllm_arguments, command_line, fmt, machine, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
@@ -189,9 +187,8 @@ for command in sys.stdin:  # one round per line, when the benchmark's own round 
 
 
 class VllmRounds:
-    """vLLM-CPU's offline `LLM.generate` on the workload, in its own process (its Python, its environment),
-    kept loaded between rounds so that each of its rounds runs right after ours: this shared machine's speed
-    drifts over minutes, and rounds run side by side compare like with like."""
+    """vLLM-CPU's offline `LLM.generate` on the workload, in its own process (timing.PeerProcess), each of
+    its rounds run right after ours."""
 
     def __init__(self, checkpoint: Path, works: list[Work], args: argparse.Namespace) -> None:
         spec = {
@@ -202,36 +199,16 @@ class VllmRounds:
             "prompts": [w.prompt for w in works],
             "outputs": [w.output_tokens for w in works],
         }
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        self._spec_path = f.name
-        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read when the process fails, closed in close())
-        command = peer_command([args.vllm_python, "-c", VLLM_SCRIPT, self._spec_path], args.vllm_env)
-        self._process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True
-        )
-        self.version = self._read("VLLM_READY ")["vllm"]
+        self._process = PeerProcess(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
+        self.version = self._process.ready["vllm"]
 
     def round(self) -> dict:
         """One timed `LLM.generate` of every request: total_s and output_tok_per_s."""
-        self._process.stdin.write("round\n")
-        self._process.stdin.flush()
-        done = self._read("VLLM_ROUND ")
+        done = self._process.request("round", "VLLM_ROUND ")
         return {"total_s": done["total_s"], "output_tok_per_s": done["output_tokens"] / done["total_s"]}
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.stdin.close()
-            self._process.wait(timeout=120)
-        self._stderr.close()
-        os.unlink(self._spec_path)
-
-    def _read(self, marker: str) -> dict:
-        for line in self._process.stdout:
-            if line.startswith(marker):
-                return json.loads(line.removeprefix(marker))
-        self._stderr.seek(0)
-        raise RuntimeError(f"vLLM run failed (exit {self._process.wait()}):\n{self._stderr.read()[-3000:]}")
+        self._process.close()
 
 
 def percentile(values: list[float], q: float) -> float:

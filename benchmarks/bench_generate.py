@@ -21,10 +21,11 @@ Measures, in one run:
   and exits;
 - with `--vllm-python PY` (or $OPTIMUM_QWEN36_VLLM_PYTHON; `--vllm-env SCRIPT` is sourced first, e.g.
   ../shared/peers/vllm_env.sh): vLLM-CPU's offline `LLM.generate` on the same token ids (prefill at each
-  length, decode at batch 1 and the compiled batch), after ours; else said skipped. The table gives ours
-  over each peer as a ratio of medians.
-Every figure is `--repeats` runs after a warm-up, ours and transformers alternated run by run (both see the
-same machine load); the JSON keeps every run and min / median / max; the median is the headline figure.
+  length, decode at batch 1 and the compiled batch), kept loaded in its own process and alternated round by
+  round with ours; else said skipped. The table gives ours over each peer per round and as a ratio of
+  medians.
+Every figure is `--repeats` runs after a warm-up, every side alternated run by run (all see the same machine
+load); the JSON keeps every run and min / median / max; the median is the headline figure.
 
 Default model: a random ~0.75B model of the Qwen3.6 shape family (hidden 1024, 24 layers 3:1, 8/2 attention
 heads of 256, 16/16 GDN heads of 128, vocab 248320, tied embeddings).
@@ -61,6 +62,7 @@ import torch
 import transformers
 from timing import (
     VLLM_PYTHON_ENV,
+    PeerProcess,
     add_vllm_arguments,
     alternate,
     command_line,
@@ -69,7 +71,6 @@ from timing import (
     paired_ratios,
     portable,
     rates,
-    run_vllm_script,
     spread,
     wall,
 )
@@ -77,6 +78,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextCo
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.neuron_config import FP8_MODULE_SETS
+from optimum_qwen36.ops import huge_pages
 from optimum_qwen36.tokenizer import save_qwen36_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -117,8 +119,10 @@ def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
 
 
 def read_bandwidth_gbs(device: str, repeats: int, gigabytes: float = 1.0) -> dict:
-    """spread() of GB/s of a 1 GiB float32 sum (read once per run)."""
-    data = torch.ones(int(gigabytes * 2**30 / 4), dtype=torch.float32, device=device)
+    """spread() of GB/s of a 1 GiB float32 sum (read once per run), on the CPU in transparent huge pages,
+    the memory the cpu backend streams its weights from (in 4 KB pages the same sum reads slower, and a
+    decode step could beat its roofline)."""
+    data = huge_pages.zeros((int(gigabytes * 2**30 / 4),), torch.float32, device).fill_(1.0)
     seconds = alternate({"sum": wall(lambda: data.sum())}, repeats)["sum"]
     return rates(data.numel() * 4 / 1e9, seconds)
 
@@ -327,17 +331,22 @@ def decode_measures(systems: dict, reference, rows: int, steps: int) -> dict[str
     return measures
 
 
+PeerMeasures = dict[str, dict[str, Callable[[], float]]]  # work label -> peer name -> seconds of one run
+
+
 def run_benchmarks(
-    systems: dict, reference, args: argparse.Namespace, peer_decoders: dict[str, Callable[[], float]]
+    systems: dict, reference, args: argparse.Namespace, peer_measures: PeerMeasures
 ) -> tuple[dict, dict]:
     """(results per system: prefill_tok_s / decode_tok_s per length / batch as spreads, speed-ups of each of
     our systems over transformers, of each FP8 variant over the unquantized model and of ours over each peer
-    whose batch-1 decode runs in the same rounds (`peer_decoders`), per round)."""
-    sides = (*systems, THEIRS, *peer_decoders)
+    measure that runs in the same rounds, per round). `peer_measures`: by work label ("prefill 512",
+    "decode batch 8"), the peers' measures of it (name -> seconds of one run)."""
+    peers = list(dict.fromkeys(name for measures in peer_measures.values() for name in measures))
+    sides = (*systems, THEIRS, *peers)
     results: dict = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in sides}
     main, *variants = systems
     pairs = [(name, THEIRS) for name in systems] + [(name, main) for name in variants]
-    pairs += [(main, peer) for peer in peer_decoders]
+    pairs += [(main, peer) for peer in peers]
     speedup: dict = {}
     work = []
     for length in args.prompt_lengths:
@@ -348,8 +357,7 @@ def run_benchmarks(
     for label, metric, key, tokens, setup in work:
         make = prefill_measures if metric == "prefill_tok_s" else decode_measures
         measures = make(*setup) if make is prefill_measures else make(*setup, args.decode_steps)
-        if label == "decode batch 1":
-            measures.update(peer_decoders)
+        measures.update(peer_measures.get(label, {}))
         runs = alternate(measures, args.repeats)
         for side, seconds in runs.items():
             results[side][metric][key] = rates(tokens, seconds)
@@ -425,46 +433,48 @@ def generate(prompts, new_tokens):
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
     return outs, wall
 
-result = {"vllm": __import__("vllm").__version__, "prefill_s": {}, "decode_s": {}}
-for length, ids in spec["prefill"].items():
-    generate([ids], 1)  # warm-up
-    result["prefill_s"][length] = [generate([ids], 1)[1] for _ in range(spec["repeats"])]
-for rows, prompts in spec["decode"].items():
-    generate(prompts, spec["decode_steps"] + 1)  # warm-up
-    runs = []
-    for _ in range(spec["repeats"]):
-        outs, _ = generate(prompts, spec["decode_steps"] + 1)
-        first = max(o.metrics.first_token_ts for o in outs)
-        runs.append(max(o.metrics.last_token_ts for o in outs) - first)
-    result["decode_s"][rows] = runs
-print("VLLM_RESULT " + json.dumps(result))
+print("VLLM_READY " + json.dumps({"vllm": __import__("vllm").__version__}), flush=True)
+for line in sys.stdin:  # one run per line, {"prefill": length} or {"decode": rows}, when ours has run
+    command = json.loads(line)
+    if "prefill" in command:
+        seconds = generate([spec["prefill"][command["prefill"]]], 1)[1]
+    else:
+        outs, _ = generate(spec["decode"][command["decode"]], spec["decode_steps"] + 1)
+        seconds = max(o.metrics.last_token_ts for o in outs) - max(o.metrics.first_token_ts for o in outs)
+    print("VLLM_RESULT " + json.dumps({"seconds": seconds}), flush=True)
 """
 
 
-def run_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[dict, dict]:
-    """vLLM-CPU's offline `LLM.generate` on the token ids ours ran (results by system name, skipped)."""
+def start_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[PeerProcess | None, dict]:
+    """vLLM-CPU's offline `LLM.generate`, loaded in its own process for the token ids ours runs (timing.
+    PeerProcess), or None and why it is skipped."""
     if not args.vllm_python:
         reason = f"skipped: no --vllm-python (nor ${VLLM_PYTHON_ENV}); ../shared/peers/ installs it"
-        return {}, {"vLLM": reason}
-    rows = args.decode_rows
+        return None, {"vLLM": reason}
     spec = {
         "model": checkpoint,
         "dtype": args.dtype,
         "max_model_len": max(4096, max(args.prompt_lengths) + args.decode_steps + 16),
         "batch_size": args.batch_size,
         "prefill": {str(n): prompts(n, 1, vocab)[0].tolist() for n in args.prompt_lengths},
-        "decode": {str(b): prompts(16, b, vocab).tolist() for b in rows},
+        "decode": {str(b): prompts(16, b, vocab).tolist() for b in args.decode_rows},
         "decode_steps": args.decode_steps,
-        "repeats": args.repeats,
     }
     print(f"vLLM: {args.vllm_python} (environment: {args.vllm_env or 'as is'})", flush=True)
-    out = run_vllm_script(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
-    result = {
-        "prefill_tok_s": {n: rates(int(n), seconds) for n, seconds in out["prefill_s"].items()},
-        "decode_tok_s": {b: rates(int(b) * args.decode_steps, s) for b, s in out["decode_s"].items()},
-    }
-    print(f"vLLM {out['vllm']}: {json.dumps(result)}", flush=True)
-    return {f"vLLM-CPU {out['vllm']}": result}, {}
+    return PeerProcess(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env), {}
+
+
+def vllm_measures(vllm: PeerProcess, args: argparse.Namespace) -> PeerMeasures:
+    """vLLM's measure of each prefill length and decode batch, by work label (for run_benchmarks: one
+    `generate` per round, right after ours)."""
+
+    def measure(command: dict) -> Callable[[], float]:
+        return lambda: vllm.request(json.dumps(command), "VLLM_RESULT ")["seconds"]
+
+    name = f"vLLM-CPU {vllm.ready['vllm']}"
+    measures = {f"prefill {n}": {name: measure({"prefill": str(n)})} for n in args.prompt_lengths}
+    measures.update({f"decode batch {b}": {name: measure({"decode": str(b)})} for b in args.decode_rows})
+    return measures
 
 
 def peer_ratios(results: dict, ours: str) -> dict:
@@ -634,19 +644,26 @@ def main() -> None:
             }
             for name, path in ggufs.items()
         }
-        decoders = {
-            name: llama_decode_measure(c["decode"], args.decode_steps) for name, c in commands.items()
+        peer_measures = {
+            "decode batch 1": {
+                name: llama_decode_measure(c["decode"], args.decode_steps) for name, c in commands.items()
+            }
         }
+        vllm, vllm_skipped = start_vllm(checkpoint, ours.config.vocab_size, args)
+        skipped.update(vllm_skipped)
         phase = time.perf_counter()
-        results, speedup = run_benchmarks(systems, reference, args, decoders)
+        try:
+            for label, measures in (vllm_measures(vllm, args) if vllm else {}).items():
+                peer_measures.setdefault(label, {}).update(measures)
+            results, speedup = run_benchmarks(systems, reference, args, peer_measures)
+        finally:
+            if vllm:
+                vllm.close()
         phases["benchmarks_s"] = time.perf_counter() - phase
         for name, command in commands.items():
             peer = results.setdefault(name, {"prefill_tok_s": {}, "decode_tok_s": {}})
             peer["prefill_tok_s"] = llama_bench_prefill(command["prefill"])
             peer["commands"] = {kind: portable(" ".join(c)) for kind, c in command.items()}
-        peers, vllm_skipped = run_vllm(checkpoint, ours.config.vocab_size, args)
-        results.update(peers)
-        skipped.update(vllm_skipped)
         parameters = sum(p.numel() for p in ours.model.parameters())
     report = {
         "command": command_line(),
@@ -677,9 +694,12 @@ def main() -> None:
             "alternated with ours (tg = tokens / s generating from an empty context, one row); prefill: "
             "llama-bench -p <prompt lengths> -n 0 -t <threads> -r <repeats>, run right after ours (pp = "
             "prompt tokens / s for one sequence, logits of the last token)",
+            "read_bandwidth": "torch.sum of 1 GiB of float32 in transparent huge pages (the memory the cpu "
+            "backend streams its weights from), right before the rounds",
             "vLLM": "vllm.LLM (enforce_eager, prefix caching off, max_num_seqs = batch) on our token ids, "
-            "run after ours: prefill = prompt tokens / wall time of generate(max_tokens=1); decode = rows * "
-            "decode_steps / (last token time - first token time) with max_tokens = decode_steps + 1",
+            "kept loaded in its own process, one generate per round alternated with ours: prefill = prompt "
+            "tokens / wall time of generate(max_tokens=1); decode = rows * decode_steps / (last token time - "
+            "first token time) with max_tokens = decode_steps + 1",
         },
         "export": export_report,
         "read_bandwidth_gb_s": bandwidth,

@@ -138,18 +138,42 @@ def peer_command(program: list[str], setup_script: str | None) -> list[str]:
     return ["bash", "-c", '. "$0" && exec "$@"', setup_script, *program]
 
 
-def run_vllm_script(script: str, spec: dict, python: str, setup_script: str | None) -> dict:
-    """Run `script` (which reads the JSON spec named by argv[1] and prints one line `VLLM_RESULT <json>`) with
-    the vLLM Python; the parsed result, or a RuntimeError with the end of its stderr."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        done = subprocess.run(
-            peer_command([python, "-c", script, f.name], setup_script), capture_output=True, text=True
+class PeerProcess:
+    """A peer's Python running `script` (which loads the peer from the JSON spec named by argv[1], prints
+    `VLLM_READY <json>`, then answers each line of its stdin with one `<marker> <json>` line) in its own
+    process and environment, kept loaded between measurements: each runs right after ours, and this shared
+    machine's speed drifts over minutes. `ready` is the JSON of its ready line."""
+
+    def __init__(self, script: str, spec: dict, python: str, setup_script: str | None) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        self._spec_path = f.name
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read when the process fails, closed in close())
+        self._process = subprocess.Popen(
+            peer_command([python, "-c", script, self._spec_path], setup_script),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
         )
-    finally:
-        os.unlink(f.name)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if done.returncode or line is None:
-        raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(line.removeprefix("VLLM_RESULT "))
+        self.ready = self._read("VLLM_READY ")
+
+    def request(self, line: str, marker: str) -> dict:
+        """Send one line; the JSON of the answer line that starts with `marker`."""
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+        return self._read(marker)
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=120)
+        self._stderr.close()
+        os.unlink(self._spec_path)
+
+    def _read(self, marker: str) -> dict:
+        for line in self._process.stdout:
+            if line.startswith(marker):
+                return json.loads(line.removeprefix(marker))
+        self._stderr.seek(0)
+        raise RuntimeError(f"vLLM run failed (exit {self._process.wait()}):\n{self._stderr.read()[-3000:]}")
