@@ -199,7 +199,7 @@ class VllmRounds:
             "prompts": [w.prompt for w in works],
             "outputs": [w.output_tokens for w in works],
         }
-        self._process = PeerProcess(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
+        self._process = PeerProcess("vLLM-CPU", VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env)
         self.version = self._process.ready["vllm"]
 
     def round(self) -> dict:
@@ -375,21 +375,25 @@ def main() -> None:
             floors: list[float] = []
             vllm = VllmRounds(checkpoint, works, args) if pattern == "burst" and args.vllm_python else None
             vllm_runs: list[dict] = []
-            for _ in range(args.repeats):
-                engine_served = run_engine(model, works)
-                static_served = run_static(model, works, args.batch_size)
-                runs[ENGINE].append(metrics(engine_served))
-                runs[STATIC].append(metrics(static_served))
-                if pattern == "burst":
-                    floors.append(prefill_floor(model, works))
+            try:
+                for _ in range(args.repeats):
+                    engine_served = run_engine(model, works)
+                    static_served = run_static(model, works, args.batch_size)
+                    runs[ENGINE].append(metrics(engine_served))
+                    runs[STATIC].append(metrics(static_served))
+                    if pattern == "burst":
+                        floors.append(prefill_floor(model, works))
+                    if vllm is not None:
+                        vllm_runs.append(vllm.round())
+                    # Over every repeat, not only the last one.
+                    same_tokens[pattern] = same_tokens.get(pattern, True) and all(
+                        a.tokens == b.tokens for a, b in zip(engine_served, static_served, strict=True)
+                    )
+                    print(f"{pattern}: engine {runs[ENGINE][-1]['output_tok_per_s']:.1f} tok/s, static "
+                          f"{runs[STATIC][-1]['output_tok_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+            finally:
                 if vllm is not None:
-                    vllm_runs.append(vllm.round())
-                # Over every repeat, not only the last one.
-                same_tokens[pattern] = same_tokens.get(pattern, True) and all(
-                    a.tokens == b.tokens for a, b in zip(engine_served, static_served, strict=True)
-                )
-                print(f"{pattern}: engine {runs[ENGINE][-1]['output_tok_per_s']:.1f} tok/s, static "
-                      f"{runs[STATIC][-1]['output_tok_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+                    vllm.close()
             results[pattern] = {method: {**summarise(r), "runs": r} for method, r in runs.items()}
             ratios[pattern] = spread(
                 [a["output_tok_per_s"] / b["output_tok_per_s"] for a, b in zip(*runs.values(), strict=True)]
@@ -406,7 +410,6 @@ def main() -> None:
                 }
             if pattern == "burst":
                 if vllm is not None:
-                    vllm.close()
                     results[pattern][VLLM] = {
                         **summarise(vllm_runs),
                         "version": vllm.version,

@@ -461,7 +461,7 @@ def start_vllm(checkpoint: str, vocab: int, args: argparse.Namespace) -> tuple[P
         "decode_steps": args.decode_steps,
     }
     print(f"vLLM: {args.vllm_python} (environment: {args.vllm_env or 'as is'})", flush=True)
-    return PeerProcess(VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env), {}
+    return PeerProcess("vLLM-CPU", VLLM_SCRIPT, spec, args.vllm_python, args.vllm_env), {}
 
 
 def vllm_measures(vllm: PeerProcess, args: argparse.Namespace) -> PeerMeasures:
@@ -478,8 +478,9 @@ def vllm_measures(vllm: PeerProcess, args: argparse.Namespace) -> PeerMeasures:
 
 
 def peer_ratios(results: dict, ours: str) -> dict:
-    """ours / each peer, as the ratio of the medians (what runs after ours; llama.cpp's batch-1 decode, which
-    runs in the same rounds, also has its per-round ratio among the speed-ups)."""
+    """ours / each peer, as the ratio of the medians (the only ratio of llama.cpp's prefill, which runs after
+    ours; what runs in the same rounds, vLLM-CPU and llama.cpp's batch-1 decode, also has its per-round
+    ratio among the speed-ups)."""
     ratios: dict = {}
     peers = [name for name in results if name.startswith(("llama.cpp", "vLLM"))]
     for name in peers:
@@ -703,6 +704,9 @@ def main() -> None:
         },
         "export": export_report,
         "read_bandwidth_gb_s": bandwidth,
+        "read_bandwidth_in_huge_pages": (
+            torch.device(device).type == "cpu" and huge_pages.transparent_huge_pages()
+        ),
         "weight_bytes_per_token": per_token,
         # Batch-1 decode roofline of each of our systems: its weight bytes read per token / read bandwidth.
         "decode_roofline_tok_s": {

@@ -139,24 +139,30 @@ def peer_command(program: list[str], setup_script: str | None) -> list[str]:
 
 
 class PeerProcess:
-    """A peer's Python running `script` (which loads the peer from the JSON spec named by argv[1], prints
-    `VLLM_READY <json>`, then answers each line of its stdin with one `<marker> <json>` line) in its own
-    process and environment, kept loaded between measurements: each runs right after ours, and this shared
-    machine's speed drifts over minutes. `ready` is the JSON of its ready line."""
+    """A peer (`name`)'s Python running `script` (which loads the peer from the JSON spec named by argv[1],
+    prints `VLLM_READY <json>`, then answers each line of its stdin with one `<marker> <json>` line) in its
+    own process and environment, kept loaded between measurements: each runs right after ours, and this
+    shared machine's speed drifts over minutes. `ready` is the JSON of its ready line. A peer that fails says
+    so with the end of its stderr; `close` (also on failure) ends the process and removes its files."""
 
-    def __init__(self, script: str, spec: dict, python: str, setup_script: str | None) -> None:
+    def __init__(self, name: str, script: str, spec: dict, python: str, setup_script: str | None) -> None:
+        self.name = name
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
-        self._spec_path = f.name
+        self._spec_path: str | None = f.name
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read when the process fails, closed in close())
         self._process = subprocess.Popen(
-            peer_command([python, "-c", script, self._spec_path], setup_script),
+            peer_command([python, "-c", script, f.name], setup_script),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
         )
-        self.ready = self._read("VLLM_READY ")
+        try:
+            self.ready = self._read("VLLM_READY ")
+        except BaseException:
+            self.close()
+            raise
 
     def request(self, line: str, marker: str) -> dict:
         """Send one line; the JSON of the answer line that starts with `marker`."""
@@ -165,15 +171,27 @@ class PeerProcess:
         return self._read(marker)
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.stdin.close()
-            self._process.wait(timeout=120)
-        self._stderr.close()
-        os.unlink(self._spec_path)
+        """End the process (its stdin closed, killed if it has not exited within 2 minutes) and remove its
+        files; closing again does nothing."""
+        if self._spec_path is None:
+            return
+        try:
+            if self._process.poll() is None:
+                self._process.stdin.close()
+                try:
+                    self._process.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait()
+        finally:
+            self._stderr.close()
+            os.unlink(self._spec_path)
+            self._spec_path = None
 
     def _read(self, marker: str) -> dict:
         for line in self._process.stdout:
             if line.startswith(marker):
                 return json.loads(line.removeprefix(marker))
         self._stderr.seek(0)
-        raise RuntimeError(f"vLLM run failed (exit {self._process.wait()}):\n{self._stderr.read()[-3000:]}")
+        stderr = self._stderr.read()[-3000:]
+        raise RuntimeError(f"{self.name} failed (exit {self._process.wait()}):\n{stderr}")
