@@ -111,11 +111,6 @@ class Qwen36NeuronConfig:
                 f"in this version: the {self.backend!r} backend does not compile sharded graphs yet. "
                 "Export with backend='cpu' or 'eager', or with tp_degree=1."
             )
-        if self.tp_degree > 1 and self.quantization is not None:
-            raise ValueError(
-                f"tp_degree={self.tp_degree} with quantization={self.quantization!r} is not supported yet: "
-                "FP8 weights' 128 x 128 scale blocks are not split over ranks."
-            )
 
     def _check_speculative(self) -> None:
         k = self.num_speculative_tokens
@@ -131,11 +126,6 @@ class Qwen36NeuronConfig:
                 f"num_speculative_tokens={k} runs on the {' / '.join(SPECULATIVE_BACKENDS)} backends in this "
                 f"version: the {self.backend!r} backend does not compile the verify and MTP draft steps yet. "
                 "Export with another backend, or without num_speculative_tokens."
-            )
-        if self.quantization is not None:
-            raise ValueError(
-                f"num_speculative_tokens={k} with quantization={self.quantization!r} is not supported yet: "
-                "the MTP layer loads bf16 / fp32 weights only."
             )
 
     @property

@@ -3,20 +3,18 @@ weights (fp32 compute, eager and the compiled cpu backend, saved and loaded agai
 quantized at export for exactly the modules `fp8_modules` names; bad layouts fail with clear errors; the
 native kernel equals its PyTorch twin.
 
-The official-layout checkpoints are written here by `write_official_fp8`, a plain per-block loop independent
-of the package's quantizer, in the multimodal layout with `model.language_model.`-prefixed
-`modules_to_not_convert` entries (transformers #48349) and FP8 `mtp.*` tensors that must be ignored.
+The official-layout checkpoints are written by `fp8_checkpoints.write_official_fp8`, independent of the
+package's quantizer.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from fp8_checkpoints import BLOCK, dequantize_blocks, write_official_fp8
 from helpers import export_eager, left_padded_prompts
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -38,76 +36,6 @@ from optimum_qwen36.ops.fp8 import (
 from optimum_qwen36.ops.native import load_native_ops
 
 NEW_TOKENS = 24
-BLOCK = (32, 32)  # several blocks per weight (partial edge blocks: the ops tests and 128 x 128 at export)
-QUANTIZED = (".mlp.", ".linear_attn.in_proj_qkv.", ".linear_attn.in_proj_z.", ".linear_attn.out_proj.")
-QUANTIZED_ATTENTION = tuple(f".self_attn.{p}_proj." for p in "qkvo")
-
-
-def is_official_fp8(key: str) -> bool:
-    return (
-        key.startswith("model.language_model.")
-        and key.endswith(".weight")
-        and any(part in key for part in (*QUANTIZED, *QUANTIZED_ATTENTION))
-    )
-
-
-def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block by block, as Qwen's release scripts do: scale = amax / 448 (bf16), q = e4m3(w / scale)."""
-    rows, cols = weight.shape
-    scales = torch.zeros(math.ceil(rows / block[0]), math.ceil(cols / block[1]), dtype=torch.bfloat16)
-    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            tile = weight[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]].float()
-            scale = (tile.abs().max() / E4M3_MAX).to(torch.bfloat16)
-            scales[i, j] = scale
-            q[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]] = (
-                (tile / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-            )
-    return q, scales
-
-
-def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    expanded = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return q.float() * expanded[: q.shape[0], : q.shape[1]]
-
-
-def write_official_fp8(directory: Path, seed: int = 5) -> tuple[Path, torch.nn.Module]:
-    """A tiny Qwen3_5ForConditionalGeneration checkpoint in the official FP8 layout; returns it and the
-    transformers model holding the dequantized weights (the reference)."""
-    _, model = save_tiny_checkpoint(directory, "conditional", seed=seed)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    tensors = {}
-    for key, value in state.items():
-        if is_official_fp8(key):
-            q, scales = quantize_blocks(value, BLOCK)
-            tensors[key], tensors[key + "_scale_inv"] = q, scales
-            state[key] = dequantize_blocks(q, scales, BLOCK)
-        else:
-            tensors[key] = value
-    # The MTP layer ships quantized too; the language model ignores it.
-    tensors["mtp.layers.0.mlp.gate_proj.weight"] = torch.zeros(128, 64).to(torch.float8_e4m3fn)
-    tensors["mtp.layers.0.mlp.gate_proj.weight_scale_inv"] = torch.ones(4, 2, dtype=torch.bfloat16)
-    for path in directory.glob("*.safetensors"):
-        path.unlink()
-    save_file(tensors, directory / "model.safetensors")
-    config = json.loads((directory / "config.json").read_text())
-    kept = ["lm_head", "model.visual", "mtp"]
-    kept += [
-        f"model.language_model.layers.{i}.linear_attn.{name}"
-        for i in range(model.config.text_config.num_hidden_layers)
-        for name in ("in_proj_a", "in_proj_b")
-    ]
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(BLOCK),
-        "modules_to_not_convert": kept,
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    model.load_state_dict(state)
-    return directory, model.eval()
 
 
 def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor):

@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
+from fp8_checkpoints import write_official_fp8
 from helpers import export_eager
+from safetensors.torch import load_file, save_file
 
+from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.sampling import SamplingRow, filter_logits, request_generator, verify_drafts
 from optimum_qwen36.engine.speculative import MTPDrafter
+from optimum_qwen36.exporters.compile_cache import compile_key
+from optimum_qwen36.modeling.quantization import Fp8Linear
 from optimum_qwen36.modeling.weights import CheckpointError
 
 SETTINGS = dict(batch_size=4, sequence_length=1024, prefill_chunk_size=64)
@@ -74,6 +80,24 @@ def run_engine(model, requests: list[tuple[list[int], dict[str, Any]]], **engine
     return [done[i] for i in ids], engine
 
 
+def after_drafting(monkeypatch: pytest.MonkeyPatch, hook) -> None:
+    """Call hook(request) for each request the MTP layer has just drafted for (its `draft_ids` set)."""
+    real_catch_up, real_extend = MTPDrafter.catch_up, MTPDrafter.extend
+
+    def catch_up(self, rows) -> None:
+        real_catch_up(self, rows)
+        for row in rows:
+            hook(row.request)
+
+    def extend(self, requests, num_drafts) -> None:
+        real_extend(self, requests, num_drafts)
+        for request in requests:
+            hook(request)
+
+    monkeypatch.setattr(MTPDrafter, "catch_up", catch_up)
+    monkeypatch.setattr(MTPDrafter, "extend", extend)
+
+
 @pytest.fixture
 def oracle_drafts(monkeypatch: pytest.MonkeyPatch):
     """Replace the MTP layer's drafts by the reference run's tokens, some corrupted; returns the dict of
@@ -91,20 +115,7 @@ def oracle_drafts(monkeypatch: pytest.MonkeyPatch):
         done = len(request.output_ids)
         request.draft_ids = [proposal(request, done + j) for j in range(len(request.draft_ids))]
 
-    real_catch_up, real_extend = MTPDrafter.catch_up, MTPDrafter.extend
-
-    def catch_up(self, rows) -> None:
-        real_catch_up(self, rows)
-        for row in rows:
-            rewrite(row.request)
-
-    def extend(self, requests, num_drafts) -> None:
-        real_extend(self, requests, num_drafts)
-        for request in requests:
-            rewrite(request)
-
-    monkeypatch.setattr(MTPDrafter, "catch_up", catch_up)
-    monkeypatch.setattr(MTPDrafter, "extend", extend)
+    after_drafting(monkeypatch, rewrite)
     return references
 
 
@@ -327,10 +338,81 @@ def test_settings_are_checked(checkpoint, tiny_checkpoint) -> None:
         export_eager(checkpoint, num_speculative_tokens=4)
     with pytest.raises(ValueError, match="does not compile the verify and MTP draft steps"):
         export_eager(checkpoint, num_speculative_tokens=2, backend="neuron")
-    with pytest.raises(ValueError, match="with quantization='fp8' is not supported"):
-        export_eager(checkpoint, num_speculative_tokens=2, quantization="fp8")
     # Without speculation the MTP weights are not loaded, and nothing changes.
     assert export_eager(checkpoint).model.mtp is None
+
+
+@pytest.fixture
+def recorded_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int, tuple[int, ...]]]:
+    """Every draft the MTP layer proposes: (prompt, tokens generated so far, drafts), in order."""
+    drafts = []
+
+    def record(request) -> None:
+        drafts.append((tuple(request.prompt_ids), len(request.output_ids), tuple(request.draft_ids)))
+
+    after_drafting(monkeypatch, record)
+    return drafts
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_fp8_mtp_layer_drafts_as_its_dequantized_weights(backend, tmp_path, recorded_drafts) -> None:
+    """An FP8 checkpoint whose MTP layer is FP8 too (every linear, `fc` included, as Qwen's FP8 releases
+    store it): the MTP layer loads as FP8 and proposes exactly the drafts of the same model holding the
+    dequantized weights in float32 (an independent per-block dequantization), eagerly and in the cpu
+    backend's compiled verify and MTP graphs; speculative decoding keeps plain decoding's tokens and
+    log-probabilities."""
+    reference_dir = tmp_path / "dequantized"
+    directory, _ = write_official_fp8(tmp_path / "fp8", seed=8, block=(16, 16), mtp_reference=reference_dir)
+    requests = [(tokens(n, n), dict(max_tokens=24, ignore_eos=True)) for n in (7, 40, 90)]
+    compiled = dict(backend="cpu", compile_cache_dir=tmp_path / "cache") if backend == "cpu" else {}
+    fp8 = export_eager(directory, num_speculative_tokens=2, **compiled, **SETTINGS)
+    linears = {name: type(m) for name, m in fp8.model.mtp.named_modules() if name.endswith(("fc", "proj"))}
+    assert set(linears.values()) == {Fp8Linear} and len(linears) == 8
+    ours, engine = run_engine(fp8, requests)
+    fp8_drafts = list(recorded_drafts)
+    recorded_drafts.clear()
+    reference, _ = run_engine(export_eager(reference_dir, num_speculative_tokens=2, **SETTINGS), requests)
+    assert len(fp8_drafts) > 20 and fp8_drafts == recorded_drafts
+    assert [out.output_ids for out in ours] == [out.output_ids for out in reference]
+    plain, _ = run_engine(export_eager(directory, **SETTINGS), requests)
+    assert_same_outputs(ours, plain)
+    assert engine.stats()["speculative"]["drafted_per_position"][0] > 0
+
+
+def test_whether_the_mtp_layer_is_fp8_changes_the_compile_key(tmp_path) -> None:
+    """Two FP8 checkpoints that differ only in whether their MTP layer is FP8 compile different MTP graphs:
+    their compile keys differ (the saved quantization_config lists the MTP linears kept unquantized)."""
+    fp8_dir, _ = write_official_fp8(tmp_path / "fp8", seed=8, block=(16, 16), mtp_reference=tmp_path / "ref")
+    kept_dir = shutil.copytree(fp8_dir, tmp_path / "kept")
+    trunk = {k: v for k, v in load_file(kept_dir / "model.safetensors").items() if not k.startswith("mtp.")}
+    save_file({**trunk, **load_file(tmp_path / "ref" / "mtp.safetensors")}, kept_dir / "model.safetensors")
+    keys = []
+    for directory in (fp8_dir, kept_dir):
+        get_settings = NeuronQwen36ForCausalLM.get_neuron_config
+        settings = get_settings(directory, backend="cpu", num_speculative_tokens=1)
+        _, text_config, quantization = NeuronQwen36ForCausalLM.model_config(str(directory), settings)
+        keys.append(compile_key(text_config.to_dict(), settings.to_dict(), "cpu"))
+        assert ("mtp.fc" in quantization.modules) == (directory == fp8_dir)
+    assert keys[0] != keys[1]
+
+
+def test_quantized_at_export_mtp_layer_follows_fp8_modules(checkpoint, oracle_drafts) -> None:
+    """quantization="fp8" on a bf16 / fp32 checkpoint quantizes the MTP layer's attention and MLP linears as
+    `fp8_modules` names them ("linear": both, "mlp": the MLP) and keeps its `fc`; speculative decoding with
+    the FP8 layers keeps plain FP8 decoding's tokens and log-probabilities."""
+    requests = mixed_requests()[:3]
+    for fp8_modules, expected in (("linear", {"q_proj", "k_proj", "v_proj", "o_proj"}), ("mlp", set())):
+        quantized = dict(quantization="fp8", fp8_modules=fp8_modules, **SETTINGS)
+        model = export_eager(checkpoint, num_speculative_tokens=3, **quantized)
+        mtp = model.model.mtp.named_modules()
+        fp8 = {name.rpartition(".")[2] for name, module in mtp if isinstance(module, Fp8Linear)}
+        assert fp8 == expected | {"gate_proj", "up_proj", "down_proj"}, fp8_modules
+        reference, _ = run_engine(export_eager(checkpoint, **quantized), requests)
+        for (prompt, _), out in zip(requests, reference, strict=True):
+            oracle_drafts[tuple(prompt)] = out.output_ids
+        ours, engine = run_engine(model, requests)
+        assert_same_outputs(ours, reference)
+        assert engine.stats()["speculative"]["accepted_per_position"][2] > 0
 
 
 def test_metrics_and_generate(checkpoint) -> None:

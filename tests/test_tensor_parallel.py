@@ -19,25 +19,34 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
+from fp8_checkpoints import write_official_fp8
 from helpers import FailsInOneProcess, export_eager, free_port, left_padded_prompts
 from safetensors.torch import load_file
+from transformers import Qwen3_5TextConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters.artifact import MANIFEST_NAME
+from optimum_qwen36.modeling.quantization import Fp8Quantization, fp8_module_names
 from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
 from optimum_qwen36.modeling.tensor_parallel import (
     TensorParallelError,
     check_tp_degree,
     shard_config,
+    shard_scale,
     shard_tensor,
+    unshard_scale,
     unshard_tensor,
     valid_degrees,
 )
+from optimum_qwen36.modeling.weights import check_fp8_sharding
+from optimum_qwen36.ops.fp8 import dequantize_fp8, quantize_fp8
 from optimum_qwen36.parallel.group import TensorParallelWorkerError
 
 AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
+# FP8 scale blocks that every rank's slice of the AWKWARD model's weights is made of, at tp=2.
+FP8_BLOCK = (16, 16)
 SETTINGS = dict(batch_size=3, sequence_length=256, prefill_chunk_size=32)
 VOCAB = 512
 
@@ -97,14 +106,24 @@ def test_sharding_plan_splits_and_joins_every_tensor(overrides: dict) -> None:
         assert torch.equal(shard_tensor(config, k_name, k_proj, 1, 2), k_proj)
 
 
-def test_degrees_are_checked_against_every_head_count(tmp_path: Path) -> None:
-    qwen36_27b = tiny_text_config(
+def qwen36_27b_shapes() -> Qwen3_5TextConfig:
+    """Qwen3.6-27B's widths and head counts (4 layers)."""
+    return tiny_text_config(
+        hidden_size=5120,
         num_attention_heads=24,
         num_key_value_heads=4,
+        head_dim=256,
         linear_num_key_heads=16,
         linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
         intermediate_size=17408,
+        vocab_size=248320,
     )
+
+
+def test_degrees_are_checked_against_every_head_count(tmp_path: Path) -> None:
+    qwen36_27b = qwen36_27b_shapes()
     assert valid_degrees(qwen36_27b, 16) == [1, 2, 4, 8]
     with pytest.raises(TensorParallelError, match="linear_num_key_heads=16"):
         check_tp_degree(qwen36_27b, 3)
@@ -116,6 +135,101 @@ def test_degrees_are_checked_against_every_head_count(tmp_path: Path) -> None:
     directory, _ = save_tiny_checkpoint(tmp_path / "ckpt")
     with pytest.raises(TensorParallelError, match=r"tp_degree=3 does not divide num_attention_heads=4"):
         NeuronQwen36ForCausalLM.get_neuron_config(directory, tp_degree=3, backend="eager")
+
+
+def test_fp8_scales_split_and_join_with_their_weights() -> None:
+    """A rank's FP8 weight and scale dequantize to exactly its slice of the whole weight, in blocks several
+    to a slice; the scales join back; a split through a block is refused, naming the degrees that work."""
+    config = tiny_text_config(**AWKWARD)
+    model = Qwen36ForCausalLM(config)
+    for module in fp8_module_names(config, "linear"):
+        name = f"{module}.weight"
+        weight = torch.randn(model.get_submodule(module).weight.shape, generator=torch.Generator())
+        q, scale = quantize_fp8(weight, FP8_BLOCK)
+        whole = dequantize_fp8(q, scale, FP8_BLOCK, torch.float32)
+        scales = []
+        for rank in range(2):
+            local_q = shard_tensor(config, name, q, rank, 2)
+            scales.append(shard_scale(config, name, scale, tuple(q.shape), FP8_BLOCK, rank, 2))
+            local = dequantize_fp8(local_q, scales[-1], FP8_BLOCK, torch.float32)
+            assert torch.equal(local, shard_tensor(config, name, whole, rank, 2)), name
+        assert torch.equal(unshard_scale(config, name, scales, tuple(q.shape), FP8_BLOCK), scale), name
+    fp8 = Fp8Quantization(tuple(fp8_module_names(config, "linear")), block_size=(32, 32), prequantized=True)
+    check_fp8_sharding(config, fp8, 1)
+    # The 96 value rows of in_proj_qkv split 48 a rank: a local block of 32 would cross two of the whole's.
+    pattern = r"splits the rows of model\.layers\.0\.linear_attn\.in_proj_qkv .* among \[1\]"
+    with pytest.raises(TensorParallelError, match=pattern):
+        check_fp8_sharding(config, fp8, 2)
+    qwen36_27b = qwen36_27b_shapes()
+    blocks = Fp8Quantization(tuple(fp8_module_names(qwen36_27b, "linear")), prequantized=True)  # 128 x 128
+    for degree in (1, 2, 4, 8):
+        check_fp8_sharding(qwen36_27b, blocks, degree)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen's FP8 layout with scale blocks of 16 x 16: several blocks to each rank's slice."""
+    directory = tmp_path_factory.mktemp("tp-fp8") / "ckpt"
+    return write_official_fp8(directory, seed=4, block=FP8_BLOCK, **AWKWARD)[0]
+
+
+@pytest.mark.parametrize(
+    "source,backend",
+    [("fp8-checkpoint", "cpu"), ("quantized-at-export", "eager")],
+    ids=["fp8-cpu", "bf16-eager"],
+)
+def test_fp8_matches_one_process_and_saves_the_same_weights(
+    source: str, backend: str, fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """FP8 weights at tp=2 (an FP8 checkpoint's, in the cpu backend's compiled graphs with the native FP8
+    kernel and the collectives inside; or a bf16 one's quantized whole at export in 128 x 128 blocks, then
+    split, with its MTP layer's for speculative decoding) give the tokens of one process and logits within
+    1e-5; saved, the ranks' weights and scales join back into exactly the weights one process saves, and
+    that artifact loads at tp=2."""
+    if source == "fp8-checkpoint":
+        directory, quantize = fp8_checkpoint, {}
+    else:  # 2 KV heads, 4 GDN value heads: the 128-row blocks split evenly
+        directory, _ = save_tiny_checkpoint(tmp_path / "bf16", seed=6)
+        add_random_mtp_weights(directory, tiny_text_config(), seed=6)
+        quantize = {"quantization": "fp8", "fp8_modules": "linear", "num_speculative_tokens": 2}
+    compiled = {"backend": backend, "compile_cache_dir": tmp_path / "cache"} if backend == "cpu" else {}
+    input_ids, attention_mask = left_padded_prompts([40, 21, 9], VOCAB, seed=3)
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    outputs, served, saved = [], [], []
+    for degree in (1, 2):
+        backend_settings = compiled if degree == 2 else {}
+        model = export_eager(directory, tp_degree=degree, **quantize, **backend_settings, **SETTINGS)
+        assert model.neuron_config.quantization == "fp8"
+        outputs.append(model.generate(input_ids, attention_mask=attention_mask, **kwargs))
+        engine = model.create_engine()
+        ids = [
+            engine.add_request([3, 1, 4, 1, 5] * n, SamplingParams(max_tokens=12, temperature=0.0))
+            for n in (1, 7)
+        ]
+        done = engine.run()
+        served.append([done[i].output_ids for i in ids])
+        del engine
+        model.save_pretrained(tmp_path / f"tp{degree}")
+        saved.append(load_file(tmp_path / f"tp{degree}" / "model.safetensors"))
+        del model
+        gc.collect()  # the workers leave before the next group starts
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    assert_logits_close(torch.stack(outputs[0].logits), torch.stack(outputs[1].logits))
+    assert served[0] == served[1]
+    assert saved[0].keys() == saved[1].keys()
+    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in saved[1].values())
+    for name, tensor in saved[0].items():
+        assert torch.equal(saved[1][name].view(torch.uint8), tensor.view(torch.uint8)), name
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "tp2")
+    assert loaded.neuron_config.tp_degree == 2
+    again = loaded.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert torch.equal(again.sequences, outputs[0].sequences)
+
+
+def test_fp8_blocks_a_split_would_cut_are_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    directory, _ = write_official_fp8(tmp_path / "ckpt", block=(32, 32), **AWKWARD)
+    with pytest.raises(TensorParallelError, match=r"FP8 scale blocks of 32 .* among \[1\]"):
+        export_eager(directory, tp_degree=2, **SETTINGS)
 
 
 def test_generate_matches_one_process(one, two) -> None:

@@ -29,6 +29,7 @@ from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
+from ..ops.fp8 import FP8_DTYPE
 from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
 from ..parallel.group import TensorParallelGroup, launch
 from ..parallel.lockstep import LockstepBackend
@@ -47,7 +48,7 @@ from .generation import (
     prepare_generation_config,
     select_next_tokens,
 )
-from .quantization import Fp8Quantization
+from .quantization import SCALE_SUFFIX, Fp8Quantization
 from .qwen36 import Qwen36ForCausalLM
 from .tensor_parallel import (
     FunctionalCollectives,
@@ -55,10 +56,12 @@ from .tensor_parallel import (
     check_tp_degree,
     parallelize,
     sharding_plan,
+    unshard_scale,
     unshard_tensor,
 )
 from .weights import (
     build_model,
+    check_fp8_sharding,
     checkpoint_fp8_modules,
     fp8_modules_of_checkpoint,
     fp8_quantization,
@@ -233,6 +236,7 @@ class NeuronModelForCausalLM:
             is_multimodal_layout(config),
             neuron_config.quantization,
             neuron_config.fp8_modules,
+            mtp=neuron_config.num_speculative_tokens > 0,
         )
         if quantization is not None:
             text_config.quantization_config = quantization.config_dict(text_config)
@@ -270,6 +274,10 @@ class NeuronModelForCausalLM:
                 "compiled_dir": compiled_dir,
                 "compile_cache": compile_cache,
             }
+            if neuron_config.quantization is not None:  # a clear error before any worker starts
+                checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
+                _, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
+                check_fp8_sharding(text_config, quantization, neuron_config.tp_degree)
             job = functools.partial(_export_rank, cls, model_id, neuron_config, options)
             return launch(neuron_config.tp_degree, job, serve_driver)[1]
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
@@ -422,8 +430,18 @@ class NeuronModelForCausalLM:
             return state
         group, full = self.tensor_parallel.group, {}
         for name, tensor in state.items():
-            shards = group.all_gather(tensor)
-            if group.is_driver:  # the workers take part in the gathers and keep nothing
+            if tensor.dtype == FP8_DTYPE:  # gloo does not move float8: its bytes travel as uint8
+                shards = [shard.view(FP8_DTYPE) for shard in group.all_gather(tensor.view(torch.uint8))]
+            else:
+                shards = group.all_gather(tensor)
+            if not group.is_driver:  # the workers take part in the gathers and keep nothing
+                continue
+            if name.endswith(SCALE_SUFFIX):  # after its weight (an Fp8Linear registers it second)
+                module = name.removesuffix(SCALE_SUFFIX)
+                weight_shape = tuple(full[f"{module}.weight"].shape)
+                block_size = self.model.get_submodule(module).block_size
+                full[name] = unshard_scale(self.config, f"{module}.weight", shards, weight_shape, block_size)
+            else:
                 full[name] = unshard_tensor(self.config, name, shards, group.degree)
         return full
 

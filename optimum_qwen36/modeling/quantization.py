@@ -4,6 +4,8 @@ Qwen's FP8 releases quantize `linear_attn.{in_proj_qkv, in_proj_z, out_proj}`, `
 and `mlp.*` to block-scaled e4m3 (`fp8_modules="linear"`); the seed quantized the MLPs only ("mlp").
 Never quantized: embeddings, lm_head, norms, `linear_attn.{conv1d, in_proj_a, in_proj_b, A_log, dt_bias}`,
 and no state: the GDN recurrent state stays float32, the conv state and the KV cache the model dtype.
+The MTP layer (`mtp.*`, loaded for speculative decoding) follows the same sets for its attention and MLP
+linears; its `fc` is FP8 only where a checkpoint stores it so.
 """
 
 from __future__ import annotations
@@ -27,29 +29,37 @@ ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 KEPT_LINEARS = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")
 
 
-def fp8_module_names(config: PretrainedConfig, fp8_modules: str) -> list[str]:
-    """The linear layers `fp8_modules` ("mlp" or "linear") quantizes, by the model's parameter names."""
+# The multi-token-prediction layer (`mtp.*`, loaded for speculative decoding): one full-attention decoder
+# layer after `fc`, which joins the embedding and the trunk's hidden state.
+MTP_LAYER = "mtp.layers.0"
+MTP_FC = "mtp.fc"
+
+
+def fp8_module_names(config: PretrainedConfig, fp8_modules: str, mtp: bool = False) -> list[str]:
+    """The linear layers `fp8_modules` ("mlp" or "linear") quantizes, by the model's parameter names (`mtp`:
+    with the MTP layer's, whose `fc` stays in the model dtype)."""
     if fp8_modules not in FP8_MODULE_SETS:
         raise ValueError(f"fp8_modules must be one of {FP8_MODULE_SETS}, got {fp8_modules!r}.")
+    gdn = () if fp8_modules == "mlp" else GDN_LINEARS
+    attention = () if fp8_modules == "mlp" else ATTENTION_LINEARS
     names = []
     for index, layer_type in enumerate(config.layer_types):
-        mixer = (
-            ()
-            if fp8_modules == "mlp"
-            else GDN_LINEARS
-            if layer_type == LINEAR_ATTENTION
-            else ATTENTION_LINEARS
-        )
+        mixer = gdn if layer_type == LINEAR_ATTENTION else attention
         names += [f"model.layers.{index}.{module}" for module in (*mixer, *MLP_LINEARS)]
+    if mtp:
+        names += [f"{MTP_LAYER}.{module}" for module in (*attention, *MLP_LINEARS)]
     return names
 
 
-def kept_linear_names(config: PretrainedConfig, quantized: set[str]) -> list[str]:
-    """Every linear layer of the model that is not in `quantized`: `modules_to_not_convert`."""
+def kept_linear_names(config: PretrainedConfig, quantized: set[str], mtp: bool = False) -> list[str]:
+    """Every linear layer of the model (`mtp`: and of its MTP layer) that is not in `quantized`:
+    `modules_to_not_convert`."""
     names = ["lm_head"]
     for index, layer_type in enumerate(config.layer_types):
         mixer = (*GDN_LINEARS, *KEPT_LINEARS) if layer_type == LINEAR_ATTENTION else ATTENTION_LINEARS
         names += [f"model.layers.{index}.{module}" for module in (*mixer, *MLP_LINEARS)]
+    if mtp:
+        names += [MTP_FC, *(f"{MTP_LAYER}.{module}" for module in (*ATTENTION_LINEARS, *MLP_LINEARS))]
     return [name for name in names if name not in quantized]
 
 
@@ -116,6 +126,8 @@ class Fp8Quantization:
     modules: tuple[str, ...]
     block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
     prequantized: bool = False
+    # Whether the model has its MTP layer (whose linears `modules` may or may not name).
+    mtp: bool = False
 
     def config_dict(self, config: PretrainedConfig) -> dict[str, Any]:
         """The `quantization_config` of a saved model, in the layout of Qwen's FP8 releases."""
@@ -124,7 +136,7 @@ class Fp8Quantization:
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(self.block_size),
-            "modules_to_not_convert": kept_linear_names(config, set(self.modules)),
+            "modules_to_not_convert": kept_linear_names(config, set(self.modules), self.mtp),
         }
 
 

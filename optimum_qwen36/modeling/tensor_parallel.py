@@ -11,6 +11,8 @@ and a narrower MLP, the same hidden size), so the model code knows nothing of TP
 - Attention: the rank's query heads of the interleaved query / gate `q_proj`, its KV heads (one replicated
   KV head when there are fewer KV heads than ranks), the matching input columns of `o_proj`.
 - MLP: gate / up rows, down columns. Norms and the MTP layer's `fc` are replicated.
+- FP8 weights split like the weights they replace; a rank's `weight_scale_inv` holds the scales of its
+  slice's blocks (`shard_scale`), which must each lie inside one block of the whole weight.
 - Embeddings and `lm_head` are vocab-parallel (rank r holds tokens [r V/N, (r + 1) V/N)): the embedding and
   the output projection are most of the bytes a decode step reads on a small model, and replicating them
   would make every rank read all of them.
@@ -205,6 +207,78 @@ def unshard_tensor(
     value_dim = config.linear_num_value_heads * config.linear_value_head_dim // degree
     sections = [shard.split([key_dim, key_dim, value_dim], dim=0) for shard in shards]
     return torch.cat([torch.cat([s[i] for s in sections], dim=0) for i in range(3)], dim=0)
+
+
+SPLIT_DIMS = {"qkv": 0, "rows": 0, "kv": 0, "columns": 1}
+
+
+def _global_indices(
+    config: PretrainedConfig, weight_name: str, size: int, dim: int, rank: int, degree: int
+) -> torch.Tensor:
+    """Which of the weight's `size` rows (dim 0) or columns (dim 1) rank `rank` holds, in its local order."""
+    if SPLIT_DIMS.get(split_kind(weight_name)) != dim:
+        return torch.arange(size)
+    index = torch.arange(size).reshape((size, 1) if dim == 0 else (1, size))
+    return shard_tensor(config, weight_name, index, rank, degree).flatten()
+
+
+def scale_blocks(
+    config: PretrainedConfig,
+    weight_name: str,
+    weight_shape: tuple[int, int],
+    block_size: tuple[int, int],
+    rank: int,
+    degree: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global scale rows and columns of rank `rank`'s slice of a block-scaled FP8 weight, one per block
+    of its local weight. A local block must lie inside one global block (same scale) for the rank's weight
+    to dequantize to its slice of the whole; raise TensorParallelError where the split cuts across."""
+    blocks = []
+    for dim, (size, block) in enumerate(zip(weight_shape, block_size, strict=True)):
+        index = _global_indices(config, weight_name, size, dim, rank, degree)
+        first_of_block = index[torch.arange(len(index)) // block * block]
+        if not torch.equal(index // block, first_of_block // block):
+            module = weight_name.removesuffix(".weight")
+            what = ("rows", "columns")[dim]
+            raise TensorParallelError(
+                f"tp_degree={degree} splits the {what} of {module} ({size}) across its FP8 scale blocks of "
+                f"{block} (quantization_config.weight_block_size {list(block_size)}): rank {rank}'s slice "
+                "would need two scales in one of its blocks."
+            )
+        blocks.append(index[::block] // block)
+    return blocks[0], blocks[1]
+
+
+def shard_scale(
+    config: PretrainedConfig,
+    weight_name: str,
+    scale: torch.Tensor,
+    weight_shape: tuple[int, int],
+    block_size: tuple[int, int],
+    rank: int,
+    degree: int,
+) -> torch.Tensor:
+    """The `weight_scale_inv` of rank `rank`'s slice of the FP8 weight `weight_name` (whole: weight_shape),
+    so that the rank's weight and scale dequantize to exactly its slice of the whole weight."""
+    rows, cols = scale_blocks(config, weight_name, weight_shape, block_size, rank, degree)
+    return scale[rows][:, cols]
+
+
+def unshard_scale(
+    config: PretrainedConfig,
+    weight_name: str,
+    shards: list[torch.Tensor],
+    weight_shape: tuple[int, int],
+    block_size: tuple[int, int],
+) -> torch.Tensor:
+    """The whole weight's `weight_scale_inv` joined from every rank's (`shards[r]`: rank r's)."""
+    degree = len(shards)
+    blocks = [-(-size // block) for size, block in zip(weight_shape, block_size, strict=True)]
+    scale = shards[0].new_empty(blocks)
+    for rank, shard in enumerate(shards):
+        rows, cols = scale_blocks(config, weight_name, weight_shape, block_size, rank, degree)
+        scale[rows[:, None], cols] = shard
+    return scale
 
 
 def named_process_group(

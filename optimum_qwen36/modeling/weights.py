@@ -17,6 +17,7 @@ from ..neuron_config import CHECKPOINT_FP8_MODULES
 from ..ops.fp8 import FP8_DTYPE, quantize_fp8
 from .config import MULTIMODAL_LM_PREFIX, text_model_name
 from .quantization import (
+    MTP_FC,
     SCALE_SUFFIX,
     Fp8Quantization,
     QuantizationConfig,
@@ -25,7 +26,14 @@ from .quantization import (
     replace_with_fp8_linears,
 )
 from .qwen36 import Qwen36ForCausalLM
-from .tensor_parallel import shard_config, shard_tensor
+from .tensor_parallel import (
+    TensorParallelError,
+    scale_blocks,
+    shard_config,
+    shard_scale,
+    shard_tensor,
+    valid_degrees,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -130,12 +138,11 @@ def build_model(
     Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
     start = time.perf_counter()
     rank, degree = shard or (0, 1)
-    with torch.device("meta"):
-        model = Qwen36ForCausalLM(shard_config(config, degree), mtp=mtp)
-    if quantization is not None:
-        replace_with_fp8_linears(model, quantization)
+    whole = _meta_model(config, mtp, quantization)
+    model = whole if degree == 1 else _meta_model(shard_config(config, degree), mtp, quantization)
     fp8_weights = {f"{module}.weight" for module in (quantization.modules if quantization else ())}
-    expected = {name: p for name, p in model.named_parameters()}  # tied weights appear once
+    whole_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}  # tied weights appear once
+    expected = {name: p for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     progress = tqdm(
@@ -154,26 +161,18 @@ def build_model(
         if name not in expected:
             unexpected.append(key)
             continue
-        if degree > 1:  # a copy: the rank keeps its slice, not the whole tensor's storage
-            tensor = shard_tensor(config, name, tensor, rank, degree).clone()
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            if name.endswith(SCALE_SUFFIX):
-                raise CheckpointError(
-                    f"FP8 scale {key!r} has shape {tuple(tensor.shape)}, but its weight in blocks of "
-                    f"{list(quantization.block_size)} (quantization_config.weight_block_size) needs "
-                    f"{tuple(expected[name].shape)} = [ceil(rows / block), ceil(cols / block)]."
-                )
-            raise CheckpointError(
-                f"Tensor {key!r} has shape {tuple(tensor.shape)} but the config implies "
-                f"{tuple(expected[name].shape)}: the checkpoint and its config.json do not match."
-            )
+        _check_shape(key, name, tensor, whole_shapes[name], quantization)
         if name in fp8_weights and not quantization.prequantized:
+            # Quantized whole, then split: a rank's blocks and scales are those of one process.
             weight, scale = quantize_fp8(tensor, quantization.block_size)
-            loaded[name] = weight.to(device)
-            loaded[name.removesuffix(".weight") + SCALE_SUFFIX] = scale.to(device)
-        else:
-            is_scale = name.endswith(SCALE_SUFFIX)
-            loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
+            scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
+            for part_name, part in ((name, weight), (scale_name, scale)):
+                part = _shard(config, part_name, part, whole_shapes, quantization, rank, degree)
+                loaded[part_name] = part.to(device)
+            continue
+        tensor = _shard(config, name, tensor, whole_shapes, quantization, rank, degree)
+        is_scale = name.endswith(SCALE_SUFFIX)
+        loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
     missing = sorted(set(expected) - set(loaded))
     missing_scales = [name for name in missing if name.endswith(SCALE_SUFFIX)]
     if missing_scales:
@@ -213,6 +212,81 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+def _meta_model(
+    config: PretrainedConfig, mtp: bool, quantization: Fp8Quantization | None
+) -> Qwen36ForCausalLM:
+    """The model of `config` on the meta device (no storage), with its FP8 linears."""
+    with torch.device("meta"):
+        model = Qwen36ForCausalLM(config, mtp=mtp)
+    if quantization is not None:
+        replace_with_fp8_linears(model, quantization)
+    return model
+
+
+def _check_shape(
+    key: str,
+    name: str,
+    tensor: torch.Tensor,
+    shape: tuple[int, ...],
+    quantization: Fp8Quantization | None,
+) -> None:
+    """Raise unless the checkpoint tensor has the shape the (whole) model's config implies."""
+    if tuple(tensor.shape) == shape:
+        return
+    if name.endswith(SCALE_SUFFIX):
+        raise CheckpointError(
+            f"FP8 scale {key!r} has shape {tuple(tensor.shape)}, but its weight in blocks of "
+            f"{list(quantization.block_size)} (quantization_config.weight_block_size) needs "
+            f"{shape} = [ceil(rows / block), ceil(cols / block)]."
+        )
+    raise CheckpointError(
+        f"Tensor {key!r} has shape {tuple(tensor.shape)} but the config implies {shape}: the checkpoint and "
+        "its config.json do not match."
+    )
+
+
+def _shard(
+    config: PretrainedConfig,
+    name: str,
+    tensor: torch.Tensor,
+    whole_shapes: dict[str, tuple[int, ...]],
+    quantization: Fp8Quantization | None,
+    rank: int,
+    degree: int,
+) -> torch.Tensor:
+    """Rank `rank`'s slice of the whole tensor `name`: a copy, so the rank does not keep the whole tensor's
+    storage (an FP8 scale: the scales of the rank's slice of its weight)."""
+    if degree == 1:
+        return tensor
+    if name.endswith(SCALE_SUFFIX):
+        weight_name = name.removesuffix(SCALE_SUFFIX) + ".weight"
+        block = quantization.block_size
+        return shard_scale(config, weight_name, tensor, whole_shapes[weight_name], block, rank, degree)
+    return shard_tensor(config, name, tensor, rank, degree).clone()
+
+
+def check_fp8_sharding(config: PretrainedConfig, quantization: Fp8Quantization, degree: int) -> None:
+    """Raise TensorParallelError unless every rank's slice of every FP8 weight is made of whole scale
+    blocks (checked before any process starts), naming the degrees that are."""
+    whole = _meta_model(config, quantization.mtp, quantization)
+    shapes = {f"{m}.weight": tuple(whole.get_submodule(m).weight.shape) for m in quantization.modules}
+    block = quantization.block_size
+
+    def problem(degree: int) -> str | None:
+        for name, shape in shapes.items():
+            for rank in range(degree):
+                try:
+                    scale_blocks(config, name, shape, block, rank, degree)
+                except TensorParallelError as error:
+                    return str(error)
+        return None
+
+    found = problem(degree)
+    if found is not None:
+        valid = [d for d in valid_degrees(config, 16) if problem(d) is None]
+        raise TensorParallelError(f"{found} Choose a tp_degree among {valid}.")
+
+
 def _loaded_tensor(
     key: str, tensor: torch.Tensor, is_fp8_weight: bool, is_scale: bool, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -236,14 +310,14 @@ def _loaded_tensor(
     return tensor.to(dtype)
 
 
-def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool) -> set[str]:
+def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool, mtp: bool = False) -> set[str]:
     """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
-    the safetensors headers only."""
+    the safetensors headers only (`mtp`: the MTP layer's too)."""
     modules = set()
     for path in safetensors_files(checkpoint_dir):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
-                name = model_key(key, multimodal)
+                name = model_key(key, multimodal, mtp)
                 if name is None:
                     continue
                 if name.endswith(SCALE_SUFFIX):
@@ -254,9 +328,11 @@ def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool) -> set[str]:
 
 
 def fp8_modules_of_checkpoint(text_config: PretrainedConfig, stored: set[str]) -> str:
-    """The name of an FP8 checkpoint's quantized set: "linear" or "mlp" when it is one of those exactly."""
+    """The name of an FP8 checkpoint's quantized set: "linear" or "mlp" when its decoder layers' FP8 linears
+    are one of those exactly."""
+    trunk = {module for module in stored if not module.startswith(MTP_PREFIX)}
     for fp8_modules in ("linear", "mlp"):
-        if stored == set(fp8_module_names(text_config, fp8_modules)):
+        if trunk == set(fp8_module_names(text_config, fp8_modules)):
             return fp8_modules
     return CHECKPOINT_FP8_MODULES
 
@@ -268,12 +344,14 @@ def fp8_quantization(
     multimodal: bool,
     quantization: str | None,
     fp8_modules: str | None,
+    mtp: bool = False,
 ) -> Fp8Quantization | None:
     """What `build_model` quantizes: an FP8 checkpoint's modules as stored (checked against its
     quantization_config and the requested `fp8_modules`), or `fp8_modules` of a bf16 / fp32 checkpoint
-    quantized at export; None for an unquantized model."""
+    quantized at export; None for an unquantized model. `mtp`: the model has its MTP layer, whose linears
+    are FP8 where the checkpoint stores them so, or follow `fp8_modules` (its `fc` kept)."""
     stored_config = QuantizationConfig.from_config(config)
-    stored = checkpoint_fp8_modules(checkpoint_dir, multimodal)
+    stored = checkpoint_fp8_modules(checkpoint_dir, multimodal, mtp)
     if stored_config is None and stored:
         raise CheckpointError(
             f"{checkpoint_dir} holds FP8 weights ({_head(sorted(stored))}) but its config.json has no "
@@ -297,11 +375,13 @@ def fp8_quantization(
                 f"{_head(listed)} hold FP8 weights but quantization_config.modules_to_not_convert lists "
                 "them as unquantized: the checkpoint contradicts its config."
             )
-        unsupported = sorted(stored - set(fp8_module_names(text_config, "linear")))
+        supported = {*fp8_module_names(text_config, "linear", mtp), *((MTP_FC,) if mtp else ())}
+        unsupported = sorted(stored - supported)
         if unsupported:
             raise CheckpointError(
                 f"{_head(unsupported)} are FP8 in the checkpoint; optimum-qwen36 runs FP8 weights only in "
-                "the attention, Gated DeltaNet (in_proj_qkv, in_proj_z, out_proj) and MLP linear layers."
+                "the attention, Gated DeltaNet (in_proj_qkv, in_proj_z, out_proj) and MLP linear layers "
+                "(and the MTP layer's `fc`)."
             )
         found = fp8_modules_of_checkpoint(text_config, stored)
         if fp8_modules not in (None, CHECKPOINT_FP8_MODULES, found):
@@ -310,7 +390,8 @@ def fp8_quantization(
                 f"fp8_modules={found!r}. Drop fp8_modules, or start from the bf16 checkpoint to quantize "
                 "another set."
             )
-        return Fp8Quantization(tuple(sorted(stored)), stored_config.weight_block_size, prequantized=True)
+        block = stored_config.weight_block_size
+        return Fp8Quantization(tuple(sorted(stored)), block, prequantized=True, mtp=mtp)
     if quantization is None:
         return None
     if fp8_modules in (None, CHECKPOINT_FP8_MODULES):
@@ -318,7 +399,7 @@ def fp8_quantization(
             f"{checkpoint_dir} is not an FP8 checkpoint: choose which linear layers to quantize with "
             "fp8_modules='mlp' or 'linear'."
         )
-    return Fp8Quantization(tuple(fp8_module_names(text_config, fp8_modules)))
+    return Fp8Quantization(tuple(fp8_module_names(text_config, fp8_modules, mtp)), mtp=mtp)
 
 
 def _head(names: list[str], limit: int = 8) -> str:
