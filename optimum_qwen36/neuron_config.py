@@ -21,8 +21,6 @@ CHECKPOINT_FP8_MODULES = "checkpoint"
 SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
 # MTP speculative decoding drafts 1..3 tokens per step with the checkpoint's one MTP layer.
 MAX_SPECULATIVE_TOKENS = 3
-# Backends with the verify and draft steps (neuron does not compile them yet).
-SPECULATIVE_BACKENDS = ("eager", "cpu", "cuda")
 # Backends that run a model split over tp_degree processes (torch.distributed, gloo).
 TENSOR_PARALLEL_BACKENDS = ("eager", "cpu")
 
@@ -118,14 +116,6 @@ class Qwen36NeuronConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS} "
                 f"(0: no speculative decoding), got {k!r}."
-            )
-        if not k:
-            return
-        if self.backend not in SPECULATIVE_BACKENDS:
-            raise ValueError(
-                f"num_speculative_tokens={k} runs on the {' / '.join(SPECULATIVE_BACKENDS)} backends in this "
-                f"version: the {self.backend!r} backend does not compile the verify and MTP draft steps yet. "
-                "Export with another backend, or without num_speculative_tokens."
             )
 
     @property

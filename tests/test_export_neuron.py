@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import add_random_mtp_weights, tiny_text_config
 from helpers import export_eager, left_padded_prompts
 from neuron_standin import DEVICE, NEFF_CACHE_ENV, NEURON_OPS, OPS, Build, StandInNeuronSDK
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36 import nki as nki_ops
+from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters import artifact, neuron
 
 SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
@@ -246,3 +248,39 @@ def test_the_traced_step_only_looks_neuron_ops_up(monkeypatch: pytest.MonkeyPatc
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+
+
+def test_speculative_decoding_runs_only_the_shapes_the_warm_up_compiled(
+    tiny_checkpoint, sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """num_speculative_tokens=2: the warm-up compiles the chunk with its hidden states, the verify step (3
+    tokens of every row) and the MTP step at 3 and 16 positions; the engine, serving requests of several
+    chunks in a continuous batch, gives the eager model's tokens and compiles nothing more (static shapes:
+    verify and MTP calls padded to the full batch, MTP positions to a compiled width); saved and loaded in
+    another process, every step is read from the artifact's NEFFs."""
+    checkpoint, _ = tiny_checkpoint("causal", seed=4)
+    add_random_mtp_weights(checkpoint, tiny_text_config(), seed=4)
+    prompts = [[(7 * i + n) % 500 + 1 for i in range(n)] for n in (5, 20, 37)]
+
+    def serve(model: NeuronQwen36ForCausalLM) -> tuple[list[list[int]], dict]:
+        engine = model.create_engine()
+        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        done = engine.run()
+        return [done[i].output_ids for i in ids], engine.stats()["speculative"]
+
+    want, _ = serve(export_eager(checkpoint, num_speculative_tokens=2, **SETTINGS))
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="neuron", num_speculative_tokens=2, **SETTINGS
+    )
+    steps = ["prefill_chunk", "decode_step", "prefill_chunk_hidden", "verify_step", "mtp_step", "mtp_step"]
+    assert [b.step for b in sdk.builds] == steps
+    got, stats = serve(model)
+    assert got == want
+    assert stats["drafted_per_position"][1] > 0
+    assert len(sdk.builds) == len(steps)  # nothing compiled at run time
+
+    model.save_pretrained(tmp_path / "saved")
+    new_process(sdk, monkeypatch)
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    assert serve(loaded)[0] == want
+    assert {b.outcome for b in sdk.builds[len(steps) :]} == {"persistent hit"}

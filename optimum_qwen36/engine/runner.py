@@ -136,7 +136,7 @@ class ModelRunner:
         """Feed tokens[i] at positions[i] to the sequence in slots[i] (distinct), whose blocks are
         block_tables[i]; returns the logits [len(tokens), vocab]."""
         batch = len(tokens)
-        rows = batch if self.backend.decodes_any_batch else self.cache.batch_size
+        rows = self._step_rows(batch)
         tables = torch.zeros((batch, self.cache.max_blocks_per_row), dtype=torch.long)
         tables[:, : block_tables.shape[1]] = block_tables
         logits = self.backend.decode_step(
@@ -160,12 +160,13 @@ class ModelRunner:
         the slots' GDN states are not changed (see `keep_verified_state`). Returns the logits after each
         token [B, k + 1, vocab] and the normed hidden states [B, k + 1, hidden]."""
         batch = len(tokens)
+        rows = self._step_rows(batch)
         logits, hidden = self.backend.verify_step(
-            self._padded_rows(tokens),
-            self._padded_rows(positions),
-            self._padded_rows(num_valid, 1),
-            self._padded_rows(slots, self.cache.scratch_slot),
-            self._padded_rows(block_tables),
+            self._padded_rows(tokens, rows=rows),
+            self._padded_rows(positions, rows=rows),
+            self._padded_rows(num_valid, 1, rows=rows),
+            self._padded_rows(slots, self.cache.scratch_slot, rows=rows),
+            self._padded_rows(block_tables, rows=rows),
             *self.cache.step_tensors(),
             *self.cache.spec_tensors(),
         )
@@ -183,16 +184,22 @@ class ModelRunner:
         those positions, hidden [B, T, hidden] the hidden states at them. Returns the draft logits [B, vocab]
         and the MTP output [B, 1, hidden] at each row's last position."""
         batch = len(tokens)
+        rows = self._step_rows(batch)
         logits, out = self.backend.mtp_step(
-            self._padded_rows(tokens),
-            self._padded_rows(hidden),
-            self._padded_rows(positions),
-            self._padded_rows(num_valid, 1),
-            self._padded_rows(block_tables),
+            self._padded_rows(tokens, rows=rows),
+            self._padded_rows(hidden, rows=rows),
+            self._padded_rows(positions, rows=rows),
+            self._padded_rows(num_valid, 1, rows=rows),
+            self._padded_rows(block_tables, rows=rows),
             self.cache.key_cache,
             self.cache.value_cache,
         )
         return logits[:batch], out[:batch]
+
+    def _step_rows(self, batch: int) -> int:
+        """The rows a decode, verify or MTP call of `batch` rows takes: the exported batch where the backend's
+        steps have static shapes."""
+        return batch if self.backend.decodes_any_batch else self.cache.batch_size
 
     def _padded_rows(self, values: torch.Tensor, fill: int = 0, rows: int = 0) -> torch.Tensor:
         """`values` (a row each, contiguous) with dummy rows of `fill` up to `rows` and at least the

@@ -43,8 +43,8 @@ class StepBackend(Protocol):
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor: ...
 
     # MTP speculative decoding (`Qwen36ForCausalLM.prefill_chunk_hidden`, `.verify_step`, `.mtp_step`) and
-    # prompt log-probabilities (`prefill_chunk_hidden`, `position_logits`): only backends listed in
-    # neuron_config.SPECULATIVE_BACKENDS have these.
+    # prompt log-probabilities (`prefill_chunk_hidden`, `position_logits`; the neuron backend has no
+    # position_logits: the engine refuses prompt_logprobs there).
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def position_logits(self, normed: torch.Tensor) -> torch.Tensor: ...

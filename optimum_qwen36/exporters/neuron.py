@@ -29,9 +29,17 @@ aws-neuron-sdk docs, tools/neuron-explorer/environment-variables.rst and how-to-
   and the compiler never writes into the artifact (a new file there would fail the next load's manifest
   check).
 
+MTP speculative decoding (`num_speculative_tokens` k) adds the steps it runs, each at one static shape:
+`prefill_chunk_hidden` (a chunk with its hidden states), `verify_step` (k + 1 tokens of every row) and
+`mtp_step` at two widths, k + 1 positions (drafting after a verify step, or further) and a whole chunk
+(after a prefill chunk): an MTP call is padded to the narrower that holds it, positions past a row's
+`num_valid` being ignored by the step. The engine pads verify and MTP calls to the full batch, as decode
+calls, so no shape appears at run time that the warm-up did not compile.
+
 NOT RUN ON HARDWARE: the Neuron SDK cannot be installed where this project is developed. What is tested,
 against the stand-in SDK of tests/neuron_standin.py, is the wiring: the error without the SDK, the compile
-arguments, where the NEFFs are written and read, and the import order of the NKI ops.
+arguments, where the NEFFs are written and read, the import order of the NKI ops, and that serving with
+speculative decoding runs only the shapes the warm-up compiled.
 """
 
 from __future__ import annotations
@@ -188,12 +196,15 @@ class NeuronBackend:
         rescale_for_range(model, NEURON_E4M3_MAX)
         self.device = device
         self.model = model.to(device)
-        # Static shapes everywhere: one NEFF per step, no recompilation at run time.
+        # Static shapes everywhere: one NEFF per step and shape, no recompilation at run time.
         options = dict(backend="neuron", fullgraph=True, dynamic=False)
-        self._steps = {
-            "prefill_chunk": torch.compile(self.model.prefill_chunk, **options),
-            "decode_step": torch.compile(self.model.decode_step, **options),
-        }
+        steps = ["prefill_chunk", "decode_step"]
+        k = neuron_config.num_speculative_tokens
+        if k:
+            steps += ["prefill_chunk_hidden", "verify_step", "mtp_step"]
+        self._steps = {name: torch.compile(getattr(self.model, name), **options) for name in steps}
+        chunk = neuron_config.prefill_chunk_size
+        self.mtp_widths = sorted({min(k + 1, chunk), chunk}) if k else []
         if compiled_dir is None:
             self._warm_up(neuron_config, make_cache)
 
@@ -212,9 +223,17 @@ class NeuronBackend:
 
     def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str, int], Any]) -> None:
         """torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache."""
-        examples = example_step_args(neuron_config, make_cache(self.device, self.prefill_snapshots))
-        for method in self._steps:  # decode_step at the full batch: the static batch it always runs
-            self._run(method, examples[method])
+        cache = make_cache(self.device, self.prefill_snapshots)
+        examples = example_step_args(neuron_config, cache, self.model.config.hidden_size)
+        examples["prefill_chunk_hidden"] = examples["prefill_chunk"]
+        for method in self._steps:  # decode, verify and MTP steps at the full batch: the static batch
+            if method == "mtp_step":
+                input_ids, hidden, start_pos, num_valid, *rest = examples[method]
+                for width in self.mtp_widths:
+                    narrow = (input_ids[:, :width], hidden[:, :width], start_pos, num_valid.clamp(max=width))
+                    self._run(method, (*narrow, *rest))
+            else:
+                self._run(method, examples[method])
         self._compiled = self.neff_cache.neffs() - self._neffs_before
         if not self._compiled and not self.neff_cache.written_here():
             logger.warning(
@@ -228,16 +247,31 @@ class NeuronBackend:
                 NEFF_CACHE_ENV,
             )
 
-    def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> Any:
         with torch.no_grad():
             out = self._steps[method](*(a.to(self.device) for a in args))
-        return out.cpu()
+        return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
     def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("prefill_chunk", args)
 
     def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
         return self._run("decode_step", args)
+
+    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run("prefill_chunk_hidden", args)
+
+    def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run("verify_step", args)
+
+    def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP step at the narrowest compiled width that holds its positions (padding never real)."""
+        input_ids, hidden, *rest = args
+        width = next(w for w in self.mtp_widths if w >= input_ids.shape[1])
+        pad = width - input_ids.shape[1]
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        return self._run("mtp_step", (input_ids, hidden, *rest))
 
     def neffs(self) -> set[str]:
         """The NEFFs a saved model carries: those of the loaded artifact and those this backend's warm-up
