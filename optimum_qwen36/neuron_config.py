@@ -117,6 +117,13 @@ class Qwen36NeuronConfig:
                 f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS} "
                 f"(0: no speculative decoding), got {k!r}."
             )
+        if k >= self.prefill_chunk_size:
+            # The MTP layer catches up over a verify step's k + 1 positions in one call of at most a chunk.
+            raise ValueError(
+                f"num_speculative_tokens={k} needs prefill_chunk_size >= {k + 1} (got "
+                f"{self.prefill_chunk_size}): a verify step's {k + 1} positions go through the MTP layer in "
+                "one call of at most a chunk."
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

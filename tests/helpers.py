@@ -1,17 +1,21 @@
 """Shared test utilities: left-padded random prompts, exporting a tiny checkpoint, a free local port, a
-logits processor that fails in one process."""
+logits processor that fails in one process, a hook on the MTP layer's drafts."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessor
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.engine.request import Request
+from optimum_qwen36.engine.speculative import MTPDrafter
 
 
 def left_padded_prompts(
@@ -157,3 +161,33 @@ class FailsInOneProcess(LogitsProcessor):
         if self.calls == self.at and (os.getpid() == self.pid) == self.here:
             raise RuntimeError(f"failing on purpose in process {os.getpid()}")
         return scores
+
+
+def after_drafting(monkeypatch: pytest.MonkeyPatch, hook: Callable[[Request], None]) -> None:
+    """Call hook(request) for each request the MTP layer has just drafted for (its `draft_ids` set), in this
+    process (with tensor parallelism: rank 0, which drafts for every rank)."""
+    real_catch_up, real_extend = MTPDrafter.catch_up, MTPDrafter.extend
+
+    def catch_up(self: MTPDrafter, rows: Any) -> None:
+        real_catch_up(self, rows)
+        for row in rows:
+            hook(row.request)
+
+    def extend(self: MTPDrafter, requests: Any, num_drafts: dict[str, int]) -> None:
+        real_extend(self, requests, num_drafts)
+        for request in requests:
+            hook(request)
+
+    monkeypatch.setattr(MTPDrafter, "catch_up", catch_up)
+    monkeypatch.setattr(MTPDrafter, "extend", extend)
+
+
+def recording_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int, tuple[int, ...]]]:
+    """Every draft the MTP layer proposes from now on: (prompt, tokens generated so far, drafts), in order."""
+    drafts: list[tuple[tuple[int, ...], int, tuple[int, ...]]] = []
+
+    def record(request: Request) -> None:
+        drafts.append((tuple(request.prompt_ids), len(request.output_ids), tuple(request.draft_ids)))
+
+    after_drafting(monkeypatch, record)
+    return drafts

@@ -15,6 +15,7 @@ so its KV and hidden states are exercised). fp32, eager backend, tiny models.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import shutil
@@ -25,13 +26,12 @@ import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
 from fp8_checkpoints import write_official_fp8
-from helpers import export_eager
+from helpers import after_drafting, export_eager, recording_drafts
 from safetensors.torch import load_file, save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.sampling import SamplingRow, filter_logits, request_generator, verify_drafts
-from optimum_qwen36.engine.speculative import MTPDrafter
 from optimum_qwen36.exporters.compile_cache import compile_key
 from optimum_qwen36.modeling.quantization import Fp8Linear
 from optimum_qwen36.modeling.weights import CheckpointError
@@ -78,24 +78,6 @@ def run_engine(model, requests: list[tuple[list[int], dict[str, Any]]], **engine
         ids.append(engine.add_request(prompt, params, constraint=constraint))
     done = engine.run()
     return [done[i] for i in ids], engine
-
-
-def after_drafting(monkeypatch: pytest.MonkeyPatch, hook) -> None:
-    """Call hook(request) for each request the MTP layer has just drafted for (its `draft_ids` set)."""
-    real_catch_up, real_extend = MTPDrafter.catch_up, MTPDrafter.extend
-
-    def catch_up(self, rows) -> None:
-        real_catch_up(self, rows)
-        for row in rows:
-            hook(row.request)
-
-    def extend(self, requests, num_drafts) -> None:
-        real_extend(self, requests, num_drafts)
-        for request in requests:
-            hook(request)
-
-    monkeypatch.setattr(MTPDrafter, "catch_up", catch_up)
-    monkeypatch.setattr(MTPDrafter, "extend", extend)
 
 
 @pytest.fixture
@@ -336,20 +318,18 @@ def test_settings_are_checked(checkpoint, tiny_checkpoint) -> None:
         export_eager(without_mtp, num_speculative_tokens=1)
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in 0\.\.3"):
         export_eager(checkpoint, num_speculative_tokens=4)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=3 needs prefill_chunk_size >= 4 \(got 3\)"):
+        export_eager(checkpoint, num_speculative_tokens=3, prefill_chunk_size=3)
+    # An FP8 export without MTP weights: the missing layer is named, not its missing scales.
+    with pytest.raises(CheckpointError, match=r"no multi-token-prediction weights"):
+        export_eager(without_mtp, num_speculative_tokens=1, quantization="fp8")
     # Without speculation the MTP weights are not loaded, and nothing changes.
     assert export_eager(checkpoint).model.mtp is None
 
 
 @pytest.fixture
 def recorded_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], int, tuple[int, ...]]]:
-    """Every draft the MTP layer proposes: (prompt, tokens generated so far, drafts), in order."""
-    drafts = []
-
-    def record(request) -> None:
-        drafts.append((tuple(request.prompt_ids), len(request.output_ids), tuple(request.draft_ids)))
-
-    after_drafting(monkeypatch, record)
-    return drafts
+    return recording_drafts(monkeypatch)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
@@ -375,6 +355,18 @@ def test_fp8_mtp_layer_drafts_as_its_dequantized_weights(backend, tmp_path, reco
     plain, _ = run_engine(export_eager(directory, **SETTINGS), requests)
     assert_same_outputs(ours, plain)
     assert engine.stats()["speculative"]["drafted_per_position"][0] > 0
+
+
+def test_an_fp8_mtp_layer_listed_as_unconverted_loads_as_stored(tmp_path) -> None:
+    """transformers drops `mtp.*`, so an FP8 release may list the MTP layer in modules_to_not_convert while
+    storing it in FP8 with its scales: the stored weights decide (the trunk's contradictions stay errors)."""
+    reference = tmp_path / "dequantized"
+    directory, _ = write_official_fp8(tmp_path / "fp8", seed=8, block=(16, 16), mtp_reference=reference)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"].append("mtp")
+    (directory / "config.json").write_text(json.dumps(config))
+    model = export_eager(directory, num_speculative_tokens=1, **SETTINGS)
+    assert isinstance(model.model.mtp.fc, Fp8Linear)
 
 
 def test_whether_the_mtp_layer_is_fp8_changes_the_compile_key(tmp_path) -> None:

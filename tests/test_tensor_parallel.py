@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
 from fp8_checkpoints import write_official_fp8
-from helpers import FailsInOneProcess, export_eager, free_port, left_padded_prompts
+from helpers import FailsInOneProcess, export_eager, free_port, left_padded_prompts, recording_drafts
 from safetensors.torch import load_file
 from transformers import Qwen3_5TextConfig
 from transformers.generation.logits_process import LogitsProcessorList
@@ -157,7 +157,7 @@ def test_fp8_scales_split_and_join_with_their_weights() -> None:
     fp8 = Fp8Quantization(tuple(fp8_module_names(config, "linear")), block_size=(32, 32), prequantized=True)
     check_fp8_sharding(config, fp8, 1)
     # The 96 value rows of in_proj_qkv split 48 a rank: a local block of 32 would cross two of the whole's.
-    pattern = r"splits the rows of model\.layers\.0\.linear_attn\.in_proj_qkv .* among \[1\]"
+    pattern = r"scale blocks of model\.layers\.0\.linear_attn\.in_proj_qkv: its 160 rows .* among \[1\]"
     with pytest.raises(TensorParallelError, match=pattern):
         check_fp8_sharding(config, fp8, 2)
     qwen36_27b = qwen36_27b_shapes()
@@ -168,30 +168,39 @@ def test_fp8_scales_split_and_join_with_their_weights() -> None:
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen's FP8 layout with scale blocks of 16 x 16: several blocks to each rank's slice."""
-    directory = tmp_path_factory.mktemp("tp-fp8") / "ckpt"
-    return write_official_fp8(directory, seed=4, block=FP8_BLOCK, **AWKWARD)[0]
+    """Qwen's FP8 layout with scale blocks of 16 x 16 (several blocks to each rank's slice), its MTP layer in
+    FP8 too (`fc` included)."""
+    root = tmp_path_factory.mktemp("tp-fp8")
+    reference = root / "dequantized"
+    return write_official_fp8(root / "ckpt", seed=4, block=FP8_BLOCK, mtp_reference=reference, **AWKWARD)[0]
 
 
 @pytest.mark.parametrize(
-    "source,backend",
-    [("fp8-checkpoint", "cpu"), ("quantized-at-export", "eager")],
-    ids=["fp8-cpu", "bf16-eager"],
+    "source,backend,speculative",
+    [("fp8-checkpoint", "cpu", 0), ("fp8-checkpoint", "eager", 2), ("quantized-at-export", "eager", 2)],
+    ids=["fp8-cpu", "fp8-mtp-eager", "bf16-mtp-eager"],
 )
 def test_fp8_matches_one_process_and_saves_the_same_weights(
-    source: str, backend: str, fp8_checkpoint: Path, tmp_path: Path
+    source: str,
+    backend: str,
+    speculative: int,
+    fp8_checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """FP8 weights at tp=2 (an FP8 checkpoint's, in the cpu backend's compiled graphs with the native FP8
-    kernel and the collectives inside; or a bf16 one's quantized whole at export in 128 x 128 blocks, then
-    split, with its MTP layer's for speculative decoding) give the tokens of one process and logits within
-    1e-5; saved, the ranks' weights and scales join back into exactly the weights one process saves, and
-    that artifact loads at tp=2."""
+    kernel and the collectives inside, or with its FP8 MTP layer drafting; or a bf16 one's quantized whole
+    at export in 128 x 128 blocks, then split, its MTP layer's too) give the tokens of one process and
+    logits within 1e-5, and the MTP layer's drafts of one process; saved, the ranks' weights and scales
+    join back into exactly the weights one process saves, and that artifact loads at tp=2."""
     if source == "fp8-checkpoint":
         directory, quantize = fp8_checkpoint, {}
     else:  # 2 KV heads, 4 GDN value heads: the 128-row blocks split evenly
         directory, _ = save_tiny_checkpoint(tmp_path / "bf16", seed=6)
         add_random_mtp_weights(directory, tiny_text_config(), seed=6)
-        quantize = {"quantization": "fp8", "fp8_modules": "linear", "num_speculative_tokens": 2}
+        quantize = {"quantization": "fp8", "fp8_modules": "linear"}
+    quantize["num_speculative_tokens"] = speculative
+    drafts = recording_drafts(monkeypatch)
     compiled = {"backend": backend, "compile_cache_dir": tmp_path / "cache"} if backend == "cpu" else {}
     input_ids, attention_mask = left_padded_prompts([40, 21, 9], VOCAB, seed=3)
     kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -207,7 +216,8 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
             for n in (1, 7)
         ]
         done = engine.run()
-        served.append([done[i].output_ids for i in ids])
+        served.append(([done[i].output_ids for i in ids], list(drafts)))
+        drafts.clear()
         del engine
         model.save_pretrained(tmp_path / f"tp{degree}")
         saved.append(load_file(tmp_path / f"tp{degree}" / "model.safetensors"))
@@ -216,6 +226,7 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
     assert torch.equal(outputs[0].sequences, outputs[1].sequences)
     assert_logits_close(torch.stack(outputs[0].logits), torch.stack(outputs[1].logits))
     assert served[0] == served[1]
+    assert bool(served[0][1]) == bool(speculative)
     assert saved[0].keys() == saved[1].keys()
     assert any(tensor.dtype == torch.float8_e4m3fn for tensor in saved[1].values())
     for name, tensor in saved[0].items():
@@ -228,7 +239,7 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
 
 def test_fp8_blocks_a_split_would_cut_are_refused_before_any_worker_starts(tmp_path: Path) -> None:
     directory, _ = write_official_fp8(tmp_path / "ckpt", block=(32, 32), **AWKWARD)
-    with pytest.raises(TensorParallelError, match=r"FP8 scale blocks of 32 .* among \[1\]"):
+    with pytest.raises(TensorParallelError, match=r"rows are scaled in blocks of 32 .* among \[1\]"):
         export_eager(directory, tp_degree=2, **SETTINGS)
 
 

@@ -204,7 +204,7 @@ class NeuronBackend:
             steps += ["prefill_chunk_hidden", "verify_step", "mtp_step"]
         self._steps = {name: torch.compile(getattr(self.model, name), **options) for name in steps}
         chunk = neuron_config.prefill_chunk_size
-        self.mtp_widths = sorted({min(k + 1, chunk), chunk}) if k else []
+        self.mtp_widths = sorted({k + 1, chunk}) if k else []  # the config keeps k + 1 <= chunk
         if compiled_dir is None:
             self._warm_up(neuron_config, make_cache)
 

@@ -428,21 +428,25 @@ class NeuronModelForCausalLM:
         state = {name: p.detach() for name, p in self.model.named_parameters()}
         if self.tensor_parallel is None:
             return state
-        group, full = self.tensor_parallel.group, {}
+        group, gathered = self.tensor_parallel.group, {}
         for name, tensor in state.items():
             if tensor.dtype == FP8_DTYPE:  # gloo does not move float8: its bytes travel as uint8
                 shards = [shard.view(FP8_DTYPE) for shard in group.all_gather(tensor.view(torch.uint8))]
             else:
                 shards = group.all_gather(tensor)
-            if not group.is_driver:  # the workers take part in the gathers and keep nothing
-                continue
-            if name.endswith(SCALE_SUFFIX):  # after its weight (an Fp8Linear registers it second)
-                module = name.removesuffix(SCALE_SUFFIX)
-                weight_shape = tuple(full[f"{module}.weight"].shape)
-                block_size = self.model.get_submodule(module).block_size
-                full[name] = unshard_scale(self.config, f"{module}.weight", shards, weight_shape, block_size)
-            else:
-                full[name] = unshard_tensor(self.config, name, shards, group.degree)
+            if group.is_driver:  # the workers take part in the gathers and keep nothing
+                gathered[name] = shards
+        full = {
+            name: unshard_tensor(self.config, name, shards, group.degree)
+            for name, shards in gathered.items()
+            if not name.endswith(SCALE_SUFFIX)
+        }
+        for name in filter(lambda name: name.endswith(SCALE_SUFFIX), gathered):  # scales: by their weights
+            module = name.removesuffix(SCALE_SUFFIX)
+            weight_shape = tuple(full[f"{module}.weight"].shape)
+            block_size = self.model.get_submodule(module).block_size
+            shards = gathered[name]
+            full[name] = unshard_scale(self.config, f"{module}.weight", shards, weight_shape, block_size)
         return full
 
     def _save_tokenizer(self, directory: str | os.PathLike) -> None:

@@ -241,8 +241,8 @@ def scale_blocks(
             module = weight_name.removesuffix(".weight")
             what = ("rows", "columns")[dim]
             raise TensorParallelError(
-                f"tp_degree={degree} splits the {what} of {module} ({size}) across its FP8 scale blocks of "
-                f"{block} (quantization_config.weight_block_size {list(block_size)}): rank {rank}'s slice "
+                f"tp_degree={degree} cuts through the FP8 scale blocks of {module}: its {size} {what} are "
+                f"scaled in blocks of {block} ({list(block_size)} blocks), and rank {rank}'s share of them "
                 "would need two scales in one of its blocks."
             )
         blocks.append(index[::block] // block)

@@ -174,23 +174,19 @@ def build_model(
         is_scale = name.endswith(SCALE_SUFFIX)
         loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
     missing = sorted(set(expected) - set(loaded))
+    if mtp and missing and missing == sorted(n for n in expected if n.startswith(MTP_PREFIX)):
+        raise CheckpointError(
+            f"Checkpoint {checkpoint_dir} has no multi-token-prediction weights (`mtp.*`), which "
+            "num_speculative_tokens needs (Qwen's Qwen3.5 / Qwen3.6 releases carry them; transformers' "
+            "save_pretrained drops them). Export without num_speculative_tokens, or use the original "
+            "checkpoint."
+        )
     missing_scales = [name for name in missing if name.endswith(SCALE_SUFFIX)]
     if missing_scales:
         raise CheckpointError(
             f"Checkpoint {checkpoint_dir} has FP8 weights without their scales: {_head(missing_scales)}. "
             "Every float8 `X.weight` needs `X.weight_scale_inv` (without it the weights are wrong by the "
             "scale factor); re-download or re-quantize the checkpoint."
-        )
-    if (
-        mtp
-        and all(name.startswith(MTP_PREFIX) for name in missing)
-        and missing == sorted(n for n in expected if n.startswith(MTP_PREFIX))
-    ):
-        raise CheckpointError(
-            f"Checkpoint {checkpoint_dir} has no multi-token-prediction weights (`mtp.*`), which "
-            "num_speculative_tokens needs (Qwen's Qwen3.5 / Qwen3.6 releases carry them; transformers' "
-            "save_pretrained drops them). Export without num_speculative_tokens, or use the original "
-            "checkpoint."
         )
     if missing or unexpected:
         raise CheckpointError(
@@ -369,7 +365,10 @@ def fp8_quantization(
                 f"{checkpoint_dir} is an FP8 checkpoint: export it with quantization='fp8' (the default "
                 "from_pretrained picks for it)."
             )
-        listed = sorted(m for m in stored if not_converted(list(stored_config.modules_to_not_convert), m))
+        # The MTP layer is exempt: transformers drops it, so a config may list it as unconverted whatever it
+        # stores; its weights' dtype and scales say what it is.
+        not_listed = list(stored_config.modules_to_not_convert)
+        listed = sorted(m for m in stored if not m.startswith(MTP_PREFIX) and not_converted(not_listed, m))
         if listed:
             raise CheckpointError(
                 f"{_head(listed)} hold FP8 weights but quantization_config.modules_to_not_convert lists "
