@@ -441,12 +441,12 @@ class NeuronModelForCausalLM:
             for name, shards in gathered.items()
             if not name.endswith(SCALE_SUFFIX)
         }
-        for name in filter(lambda name: name.endswith(SCALE_SUFFIX), gathered):  # scales: by their weights
-            module = name.removesuffix(SCALE_SUFFIX)
-            weight_shape = tuple(full[f"{module}.weight"].shape)
-            block_size = self.model.get_submodule(module).block_size
-            shards = gathered[name]
-            full[name] = unshard_scale(self.config, f"{module}.weight", shards, weight_shape, block_size)
+        for name, shards in gathered.items():  # the scales, once their weights are whole
+            if name.endswith(SCALE_SUFFIX):
+                module = name.removesuffix(SCALE_SUFFIX)
+                weight_shape = tuple(full[f"{module}.weight"].shape)
+                block_size = self.model.get_submodule(module).block_size
+                full[name] = unshard_scale(self.config, f"{module}.weight", shards, weight_shape, block_size)
         return full
 
     def _save_tokenizer(self, directory: str | os.PathLike) -> None:

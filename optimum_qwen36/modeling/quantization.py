@@ -32,7 +32,7 @@ KEPT_LINEARS = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")
 # The multi-token-prediction layer (`mtp.*`, loaded for speculative decoding): one full-attention decoder
 # layer after `fc`, which joins the embedding and the trunk's hidden state.
 MTP_LAYER = "mtp.layers.0"
-MTP_FC = "mtp.fc"
+MTP_LINEARS = ("mtp.fc", *(f"{MTP_LAYER}.{module}" for module in (*ATTENTION_LINEARS, *MLP_LINEARS)))
 
 
 def fp8_module_names(config: PretrainedConfig, fp8_modules: str, mtp: bool = False) -> list[str]:
@@ -59,7 +59,7 @@ def kept_linear_names(config: PretrainedConfig, quantized: set[str], mtp: bool =
         mixer = (*GDN_LINEARS, *KEPT_LINEARS) if layer_type == LINEAR_ATTENTION else ATTENTION_LINEARS
         names += [f"model.layers.{index}.{module}" for module in (*mixer, *MLP_LINEARS)]
     if mtp:
-        names += [MTP_FC, *(f"{MTP_LAYER}.{module}" for module in (*ATTENTION_LINEARS, *MLP_LINEARS))]
+        names += MTP_LINEARS
     return [name for name in names if name not in quantized]
 
 

@@ -17,7 +17,7 @@ from ..neuron_config import CHECKPOINT_FP8_MODULES
 from ..ops.fp8 import FP8_DTYPE, quantize_fp8
 from .config import MULTIMODAL_LM_PREFIX, text_model_name
 from .quantization import (
-    MTP_FC,
+    MTP_LINEARS,
     SCALE_SUFFIX,
     Fp8Quantization,
     QuantizationConfig,
@@ -374,7 +374,7 @@ def fp8_quantization(
                 f"{_head(listed)} hold FP8 weights but quantization_config.modules_to_not_convert lists "
                 "them as unquantized: the checkpoint contradicts its config."
             )
-        supported = {*fp8_module_names(text_config, "linear", mtp), *((MTP_FC,) if mtp else ())}
+        supported = {*fp8_module_names(text_config, "linear"), *(MTP_LINEARS if mtp else ())}
         unsupported = sorted(stored - supported)
         if unsupported:
             raise CheckpointError(
