@@ -21,8 +21,8 @@ CHECKPOINT_FP8_MODULES = "checkpoint"
 SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
 # MTP speculative decoding drafts 1..3 tokens per step with the checkpoint's one MTP layer.
 MAX_SPECULATIVE_TOKENS = 3
-# Backends that run a model split over tp_degree processes (torch.distributed, gloo).
-TENSOR_PARALLEL_BACKENDS = ("eager", "cpu")
+# Backends that run a model split over tp_degree processes (torch.distributed: gloo; TorchNeuron's group).
+TENSOR_PARALLEL_BACKENDS = ("eager", "cpu", "neuron")
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -105,9 +105,9 @@ class Qwen36NeuronConfig:
             )
         if self.tp_degree > 1 and self.backend not in TENSOR_PARALLEL_BACKENDS:
             raise ValueError(
-                f"tp_degree={self.tp_degree} runs on the {' / '.join(TENSOR_PARALLEL_BACKENDS)} backend "
-                f"in this version: the {self.backend!r} backend does not compile sharded graphs yet. "
-                "Export with backend='cpu' or 'eager', or with tp_degree=1."
+                f"tp_degree={self.tp_degree} runs on the {' / '.join(TENSOR_PARALLEL_BACKENDS)} backends "
+                f"in this version: the {self.backend!r} backend does not run sharded graphs yet. Export "
+                f"with backend={' or '.join(map(repr, TENSOR_PARALLEL_BACKENDS))}, or with tp_degree=1."
             )
 
     def _check_speculative(self) -> None:

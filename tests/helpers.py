@@ -16,6 +16,16 @@ from transformers.generation.logits_process import LogitsProcessor
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine.request import Request
 from optimum_qwen36.engine.speculative import MTPDrafter
+from optimum_qwen36.ops.native import BF16_FLAGS, cpu_flags
+
+# A query's bf16 attention is bitwise the same in a prefill chunk and alone, and a bf16 linear layer's row
+# the same in a prefill call and in a decode step, with the native kernels built for AVX-512 BF16 (and so a
+# request's bf16 tokens in any company). Elsewhere both are ATen's (prefill's linear layers: float32 products
+# of the widened values), whose rounding depends on how many rows they take at once, as in float32.
+needs_bf16_kernels = pytest.mark.skipif(
+    not BF16_FLAGS.keys() <= cpu_flags(),
+    reason="the native bf16 kernels need AVX-512 BF16, which this CPU lacks",
+)
 
 
 def left_padded_prompts(

@@ -19,7 +19,7 @@ from typing import Any
 import huggingface_hub
 import pytest
 import torch
-from helpers import StubHubRepo
+from helpers import StubHubRepo, needs_bf16_kernels
 from pattern_model import (
     SETTINGS,
     compare,
@@ -133,6 +133,7 @@ def test_a_rows_bf16_logits_are_the_same_alone_and_in_a_batch(bf16) -> None:
     assert torch.equal(logits, alone_logits)
 
 
+@needs_bf16_kernels
 def test_engine_bf16_logprobs_are_the_same_alone_and_in_company(bf16) -> None:
     """Continuous batching: requests of different lengths share decode steps, the batch shrinks as they
     finish (down to one row); each request's tokens and log-probabilities equal, bitwise, its run alone."""

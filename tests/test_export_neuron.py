@@ -8,20 +8,33 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import add_random_mtp_weights, tiny_text_config
-from helpers import export_eager, left_padded_prompts
-from neuron_standin import DEVICE, NEFF_CACHE_ENV, NEURON_OPS, OPS, Build, StandInNeuronSDK
+from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
+from helpers import export_eager, free_port, left_padded_prompts
+from neuron_standin import (
+    DEVICE,
+    FAIL_COMPILE_ON_RANK_ENV,
+    NEFF_CACHE_ENV,
+    NEURON_OPS,
+    OPS,
+    VISIBLE_CORES_ENV,
+    Build,
+    StandInNeuronSDK,
+)
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36 import nki as nki_ops
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters import artifact, neuron
+from optimum_qwen36.parallel.group import TensorParallelWorkerError
 
 SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
 STEP_OPTIONS = dict(backend="neuron", fullgraph=True, dynamic=False)
@@ -32,6 +45,7 @@ def new_process(sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch) -> None:
     sdk.restart()
     monkeypatch.setattr(neuron, "_process_cache", None)
     monkeypatch.delenv(NEFF_CACHE_ENV, raising=False)
+    monkeypatch.delenv(VISIBLE_CORES_ENV, raising=False)
 
 
 @pytest.fixture
@@ -284,3 +298,210 @@ def test_speculative_decoding_runs_only_the_shapes_the_warm_up_compiled(
     loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
     assert serve(loaded)[0] == want
     assert {b.outcome for b in sdk.builds[len(steps) :]} == {"persistent hit"}
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+# tp_degree 2 against the stand-in installed in rank 0's process (this one) and in the worker processes: each
+# rank creates TorchNeuron's process group before its runtime starts, on a NeuronCore of its own
+# (TorchNeuron's choice, or the launcher's share of NEURON_RT_VISIBLE_CORES), the compiled steps'
+# collectives run on that group, the tokens are one eager process's, and a saved model holds every rank's
+# NEFFs (the ranks' graphs differ: each holds its vocabulary start), so loading it compiles on no rank.
+# One KV head for 2 ranks (replicated), 6 GDN value heads over 2 key heads.
+TP_AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
+
+
+@pytest.fixture
+def tp_checkpoint(tmp_path: Path) -> Path:
+    directory, _ = save_tiny_checkpoint(tmp_path / "ckpt", seed=3, **TP_AWKWARD)
+    return directory
+
+
+@pytest.fixture
+def workers_too(sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInNeuronSDK]:
+    """The stand-in in this process (rank 0) and in the workers it starts; no NeuronCores chosen yet."""
+    sdk.reach_new_processes(monkeypatch)
+    monkeypatch.delenv(VISIBLE_CORES_ENV, raising=False)
+    yield sdk
+
+
+def generated_with_logits(model: NeuronQwen36ForCausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = left_padded_prompts([5, 9], seed=1)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+def close(model: NeuronQwen36ForCausalLM) -> list[int]:
+    """Close a tensor-parallel model (as its finalizer does); the workers' exit codes."""
+    model.tensor_parallel.close()
+    return [worker.returncode for worker in model.tensor_parallel.group.workers]
+
+
+def worker_events(sdk: StandInNeuronSDK, seen: set[int]) -> list[tuple[str, str]]:
+    """The events of the one worker process started since the pids `seen`."""
+    logs = {pid: events for pid, events in sdk.logged_events().items() if pid not in seen}
+    assert len(logs) == 1, logs
+    return next(iter(logs.values()))
+
+
+def test_tp2_gives_one_process_tokens_and_reloads_without_compiling_on_any_rank(
+    tp_checkpoint: Path, workers_too: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    sdk = workers_too
+    want, want_logits = generated_with_logits(export_eager(tp_checkpoint, **SETTINGS))
+
+    model = NeuronQwen36ForCausalLM.from_pretrained(
+        tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
+    )
+    tokens, logits = generated_with_logits(model)
+    assert torch.equal(tokens, want)
+    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    # Each rank: its process group first, then its runtime, on a core of its own; the steps' all-reduces
+    # ran on that group. TorchNeuron chose the cores (rank r: core r).
+    rank_1 = worker_events(sdk, set())
+    for events, rank in ((sdk.events, 0), (rank_1, 1)):
+        kinds = [kind for kind, _ in events]
+        assert kinds.index("process group") < kinds.index("runtime") < kinds.index("compiled")
+        assert ("process group", f"rank {rank} of 2") in events
+        assert ("cores", str(rank)) in events
+        assert ("collective", "allreduce on ranks [0, 1]") in events
+    # Each rank compiled its prefill_chunk and decode_step; the ranks' graphs differ (each holds where its
+    # share of the vocabulary starts), so four NEFFs, in the one cache directory the ranks share.
+    for events in (sdk.events, rank_1):
+        assert [what for kind, what in events if kind == "compiled"] == ["prefill_chunk", "decode_step"]
+    cache = model.backend.neff_cache.directory
+    assert len(neuron.neff_files(cache)) == 4
+
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)  # rank 0 finds rank 1's NEFFs in the shared cache (torchrun's test: sent)
+    assert set(artifact_neffs(saved)) == neuron.neff_files(cache)
+    assert close(model) == [0]
+    # This process's runtime was set up for that model's group: a second one is refused, saying why.
+    with pytest.raises(RuntimeError, match="already started the Neuron runtime"):
+        NeuronQwen36ForCausalLM.from_pretrained(saved)
+
+    # Another process, with the cores the model may use named: the launcher gives each rank one of them.
+    new_process(sdk, monkeypatch)
+    monkeypatch.setenv(VISIBLE_CORES_ENV, "2-3")
+    sdk.events.clear()
+    seen = set(sdk.logged_events())
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
+    tokens, _ = generated_with_logits(loaded)
+    assert torch.equal(tokens, want)
+    rank_1 = worker_events(sdk, seen)
+    for events, core in ((sdk.events, "2"), (rank_1, "3")):
+        assert ("cores", core) in events
+        builds = [kind for kind, _ in events if kind.endswith("hit") or kind == "compiled"]
+        assert builds == ["persistent hit", "persistent hit"]  # every rank's NEFFs came with the artifact
+    assert close(loaded) == [0]
+
+
+def test_visible_cores_are_shared_out_or_refused_before_any_worker_starts(
+    tp_checkpoint: Path, workers_too: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert neuron.visible_cores("0-3, 6") == [0, 1, 2, 3, 6]
+    with pytest.raises(ValueError, match="is not a list of NeuronCores"):
+        neuron.visible_cores("3-1")
+    monkeypatch.setenv(VISIBLE_CORES_ENV, "4,6-9")
+    cores = [environment[VISIBLE_CORES_ENV] for environment in neuron.tensor_parallel_environments(4)]
+    assert cores == ["4", "6", "7", "8"]
+    monkeypatch.setenv(VISIBLE_CORES_ENV, "5")
+    with pytest.raises(ValueError, match=r"tp_degree=2 runs one rank per NeuronCore.*names 1"):
+        NeuronQwen36ForCausalLM.from_pretrained(
+            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
+        )
+    assert workers_too.logged_events() == {}  # no worker started
+    assert os.environ[VISIBLE_CORES_ENV] == "5"
+
+
+def rank_events(logs: dict[int, list[tuple[str, str]]], rank: int) -> list[tuple[str, str]]:
+    """The logged events of the one process that was rank `rank`."""
+    (events,) = [events for events in logs.values() if ("process group", f"rank {rank} of 2") in events]
+    return events
+
+
+def test_torchrun_ranks_with_caches_of_their_own_save_every_ranks_neffs(
+    tp_checkpoint: Path, workers_too: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Under torchrun each process has a NEFF cache of its own (and TorchNeuron gives it the core of its
+    LOCAL_RANK): saving sends rank 1's NEFFs to rank 0, and the artifact then loads without compiling."""
+    sdk = workers_too
+    want, _ = generated_with_logits(export_eager(tp_checkpoint, **SETTINGS))
+    saved = tmp_path / "saved"
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from optimum_qwen36 import NeuronQwen36ForCausalLM
+            model = NeuronQwen36ForCausalLM.from_pretrained(
+                {str(tp_checkpoint)!r}, export=True, backend="neuron", tp_degree=2, **{SETTINGS!r}
+            )
+            model.save_pretrained({str(saved)!r})
+            model.tensor_parallel.close()
+            """
+        )
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(free_port()), str(script)]  # not the default: other tests may hold it
+    result = subprocess.run(torchrun, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = sdk.logged_events()
+    caches = set()
+    for rank in range(2):
+        events = rank_events(logs, rank)
+        kinds = [kind for kind, _ in events]
+        assert kinds.index("process group") < kinds.index("runtime") < kinds.index("compiled")
+        assert ("cores", str(rank)) in events
+        assert ("collective", "allreduce on ranks [0, 1]") in events
+        caches |= {what for kind, what in events if kind == "runtime"}
+    assert len(caches) == 2  # a cache directory each
+    assert len(artifact_neffs(saved)) == 4  # prefill_chunk and decode_step of each rank
+
+    seen = set(logs)
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
+    assert torch.equal(generated_with_logits(loaded)[0], want)
+    for events in (sdk.events, worker_events(sdk, seen)):
+        builds = [kind for kind, _ in events if kind.endswith("hit") or kind == "compiled"]
+        assert builds == ["persistent hit", "persistent hit"]
+    assert close(loaded) == [0]
+
+
+def test_a_worker_without_the_sdk_fails_the_export_at_once_with_its_error(
+    tp_checkpoint: Path, sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in is in this process only: rank 1 cannot import torch_neuronx, and says so before it
+    would join the process group (where rank 0 would wait for it)."""
+    monkeypatch.delenv(VISIBLE_CORES_ENV, raising=False)
+    start = time.monotonic()
+    with pytest.raises(
+        TensorParallelWorkerError, match="rank 1 failed to build its model: NeuronSDKUnavailable"
+    ):
+        NeuronQwen36ForCausalLM.from_pretrained(
+            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
+        )
+    assert time.monotonic() - start < 60
+
+
+def test_a_worker_failing_to_compile_ends_the_export_with_its_error(
+    tp_checkpoint: Path, workers_too: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 fails in the warm-up, after the ranks joined: rank 0, in the step's collective, reports rank
+    1's error, not the broken collective's."""
+    monkeypatch.setenv(FAIL_COMPILE_ON_RANK_ENV, "1")
+    monkeypatch.setenv(VISIBLE_CORES_ENV, "2-3")
+    start = time.monotonic()
+    with pytest.raises(
+        TensorParallelWorkerError, match="rank 1 failed to build its model: RuntimeError: neuronx-cc"
+    ):
+        NeuronQwen36ForCausalLM.from_pretrained(
+            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
+        )
+    assert time.monotonic() - start < 60
+    assert not torch.distributed.is_initialized()  # rank 0's group went with the failed export
+    assert os.environ[VISIBLE_CORES_ENV] == "2-3"  # rank 0's share ("2") undone

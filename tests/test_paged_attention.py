@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import needs_bf16_kernels
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
@@ -112,6 +113,7 @@ def test_keys_a_query_cannot_see_change_nothing(dtype: torch.dtype) -> None:
 
 
 @needs_native
+@needs_bf16_kernels
 def test_a_query_alone_equals_it_among_a_prefills_queries_bitwise() -> None:
     """bf16: keys are packed once for a sequence whose queries fill several work items (a prefill chunk) and
     block by block for one of a single item (a decode row); both read the same packed values, and each

@@ -470,7 +470,10 @@ def test_torchrun_launch(checkpoint: Path, one, tmp_path: Path, nodes: int) -> N
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     if nodes == 1:
         result = subprocess.run(
-            [*torchrun, "--nproc-per-node", "2", str(script)], capture_output=True, text=True, timeout=300
+            [*torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     else:
         endpoint = f"127.0.0.1:{free_port()}"

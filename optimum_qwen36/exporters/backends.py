@@ -116,6 +116,9 @@ class AOTIBackend:
     """The `cpu` (or `cuda`) backend: each step is an AOTInductor graph updating the cache in place."""
 
     decodes_any_batch = True
+    # Every rank runs rank 0's graphs: weights are bound at load, and the embedding (where a rank's share of
+    # the vocabulary starts) runs outside them.
+    per_rank_graphs = False
 
     def __init__(self, files_dir: Path, model: Qwen36ForCausalLM, device: str) -> None:
         self.name = torch.device(device).type

@@ -32,6 +32,10 @@ class StepBackend(Protocol):
     packs_prefill: bool
     decodes_in_prefill: bool
     prefill_snapshots: int
+    # With tensor parallelism, whether each rank compiles graphs of its own (then a saved model holds every
+    # rank's: the driver adds the others' `compiled_files()` with `add_compiled_files`), or every rank runs
+    # the same graphs, weights bound at load, and rank 0's are all a saved model needs.
+    per_rank_graphs: bool
 
     def prefill_chunk(
         self,
@@ -55,6 +59,11 @@ class StepBackend(Protocol):
 
     def save(self, directory: Path) -> None:
         """Write what a saved model needs to run this backend without compiling (under directory)."""
+
+    # Only where per_rank_graphs: what `save` writes, by path in `compiled/`, and writing another rank's.
+    def compiled_files(self) -> dict[str, bytes]: ...
+
+    def add_compiled_files(self, directory: Path, files: dict[str, bytes]) -> None: ...
 
 
 # The fewest tokens a prefill graph takes, block-table columns a step passes, rows a batched step takes and
@@ -143,6 +152,7 @@ class EagerBackend:
     packs_prefill = True
     decodes_in_prefill = True
     prefill_snapshots = PREFILL_SNAPSHOTS
+    per_rank_graphs = False  # no graphs
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model

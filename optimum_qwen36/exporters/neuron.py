@@ -36,10 +36,23 @@ MTP speculative decoding (`num_speculative_tokens` k) adds the steps it runs, ea
 `num_valid` being ignored by the step. The engine pads verify and MTP calls to the full batch, as decode
 calls, so no shape appears at run time that the warm-up did not compile.
 
+Tensor parallelism (`tp_degree` N) runs the same plan as on cpu, through TorchNeuron's torch.distributed
+backend, as the Neuron torch.distributed guide (torch/guides/torch-distributed) describes it: each rank is a
+process with one NeuronCore, `init_process_group("neuron")` creates the group the compiled steps' functional
+collectives run on (TorchNeuron lowers them into the NEFF), before any device work (creating that group sets
+up the process's Neuron runtime). NeuronCores: TorchNeuron gives rank r of a machine its r-th core, or, when
+NEURON_RT_VISIBLE_CORES names the cores the model may use, the launcher gives rank r the r-th of them. The
+spawned ranks share one NEFF cache directory (TorchNeuron's cache is written to be shared across
+processes), and a saved artifact holds every rank's NEFFs: a rank's graphs hold rank-specific constants
+(the first token of its share of the vocabulary), so its NEFFs may be its own. The runtime is set up once
+per process, by its first process group: a process whose runtime has started cannot become a rank.
+
 NOT RUN ON HARDWARE: the Neuron SDK cannot be installed where this project is developed. What is tested,
 against the stand-in SDK of tests/neuron_standin.py, is the wiring: the error without the SDK, the compile
-arguments, where the NEFFs are written and read, the import order of the NKI ops, and that serving with
-speculative decoding runs only the shapes the warm-up compiled.
+arguments, where the NEFFs are written and read, the import order of the NKI ops, that serving with
+speculative decoding runs only the shapes the warm-up compiled, and, at tp_degree 2, that each rank's
+process group exists before its runtime starts, on a core of its own, that the steps' collectives run on
+it, and that a saved artifact reloads without compiling on any rank.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..modeling.quantization import rescale_for_range
 from ..modeling.qwen36 import Qwen36ForCausalLM
@@ -72,6 +86,10 @@ NEURON_CACHE_DIR = "neuron_cache"
 # TorchNeuron's persistent NEFF cache directory (read once per process by its runtime).
 NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 NEFF_SUFFIX = ".neff"
+# TorchNeuron's torch.distributed backend (registered by `import torch_neuronx`).
+NEURON_COLLECTIVES = "neuron"
+# The NeuronCores a process may use ("0-3", "0,2,4", ...), read by the runtime when it starts.
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
 INSTALL_HINT = (
     "The 'neuron' backend needs TorchNeuron (torch-neuronx 2.13.* or 2.14.* with the same PyTorch "
     "2.13 / 2.14, Python 3.12-3.14, Neuron SDK 2.33+), the Neuron compiler and nki, on a Trn2 or Trn3 "
@@ -103,11 +121,11 @@ def neff_files(directory: Path) -> set[str]:
     return {p.relative_to(directory).as_posix() for p in directory.rglob(f"*{NEFF_SUFFIX}") if p.is_file()}
 
 
-def _copy_file(source: Path, target: Path) -> None:
-    """Copy through a temporary name and a rename, as the runtime writes: no reader sees half a NEFF."""
+def _write_file(target: Path, data: bytes) -> None:
+    """Write through a temporary name and a rename, as the runtime writes: no reader sees half a NEFF."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".tmp.{target.name}.{os.getpid()}")
-    shutil.copyfile(source, partial)
+    partial.write_bytes(data)
     os.replace(partial, target)
 
 
@@ -159,10 +177,64 @@ def process_neff_cache() -> NeffCache:
     return _process_cache
 
 
+def visible_cores(spec: str) -> list[int]:
+    """The cores a NEURON_RT_VISIBLE_CORES value names ("0-3,6" -> [0, 1, 2, 3, 6])."""
+    cores = []
+    for part in spec.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+            raise ValueError(
+                f"{VISIBLE_CORES_ENV}={spec!r} is not a list of NeuronCores: write core numbers and ranges "
+                "separated by commas, e.g. '0-3' or '0,2,4,6'."
+            )
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def prepare_tensor_parallel_rank() -> None:
+    """In a process about to be a rank of a tensor-parallel model (before any worker starts, in rank 0's):
+    the SDK imported (it registers the "neuron" process group backend), the process's NEFF cache chosen
+    before the runtime reads its location, and a clear error where the runtime has already started:
+    creating TorchNeuron's process group sets the runtime up (its cores, its rank), once per process."""
+    sdk = require_torch_neuronx()
+    joined = dist.is_initialized() and dist.get_backend() == NEURON_COLLECTIVES  # under torchrun, say
+    if sdk.is_neuron_runtime_initialized() and not joined:
+        raise RuntimeError(
+            "This process has already started the Neuron runtime (a neuron model or tensor was created in "
+            "it, or a tensor-parallel model before): TorchNeuron sets up a tensor-parallel rank's runtime "
+            "when it creates the rank's process group, once per process. Create the tensor-parallel model "
+            "in a new process, before any other Neuron work."
+        )
+    process_neff_cache()
+
+
+def tensor_parallel_environments(degree: int) -> list[dict[str, str]]:
+    """The environment of each rank of a tensor-parallel model that `launch` spawns: this process's NEFF
+    cache directory for every rank, and, when NEURON_RT_VISIBLE_CORES names the cores the model may use, one
+    of them per rank (TorchNeuron gives a rank of a tensor-parallel group one NeuronCore; unset, it gives
+    rank r of a machine its r-th core)."""
+    environments = [{NEFF_CACHE_ENV: str(process_neff_cache().directory)} for _ in range(degree)]
+    spec = os.environ.get(VISIBLE_CORES_ENV)
+    if spec:
+        cores = visible_cores(spec)
+        if len(cores) < degree:
+            raise ValueError(
+                f"tp_degree={degree} runs one rank per NeuronCore, and {VISIBLE_CORES_ENV}={spec!r} names "
+                f"{len(cores)}: name {degree} cores (e.g. {VISIBLE_CORES_ENV}=0-{degree - 1}), or unset it."
+            )
+        if len(cores) > degree:
+            logger.info("tp_degree=%d uses NeuronCores %s of %s", degree, cores[:degree], spec)
+        for environment, core in zip(environments, cores, strict=False):
+            environment[VISIBLE_CORES_ENV] = str(core)
+    return environments
+
+
 class NeuronBackend:
     """Each step compiled by TorchNeuron; the cache tensors live on the `neuron` device."""
 
     name = "neuron"
+    # With tensor parallelism each rank compiles its own graphs (see the module docstring).
+    per_rank_graphs = True
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
     packs_prefill = False  # static shapes: one sequence's chunk per prefill call
@@ -216,7 +288,7 @@ class NeuronBackend:
         for name in sorted(names):
             target = self.neff_cache.directory / name
             if not target.is_file() or not filecmp.cmp(source / name, target, shallow=False):
-                _copy_file(source / name, target)
+                _write_file(target, (source / name).read_bytes())
         if not names:
             logger.warning("%s holds no NEFF: the neuron steps will be compiled again.", source)
         return names
@@ -279,6 +351,22 @@ class NeuronBackend:
         them in memory), all the NEFFs this process wrote, which include them."""
         return (self._carried | self._compiled) or self.neff_cache.written_here()
 
+    def compiled_files(self) -> dict[str, bytes]:
+        """The NEFFs `save` writes, by their path in the artifact's `compiled/` directory."""
+        source = self.neff_cache.directory
+        return {f"{NEURON_CACHE_DIR}/{name}": (source / name).read_bytes() for name in sorted(self.neffs())}
+
+    def add_compiled_files(self, directory: Path, files: dict[str, bytes]) -> None:
+        """Write another rank's NEFFs (`compiled_files`) into the model saved at `directory`. A NEFF's name
+        is a hash of its graph: one already there is the same."""
+        for name, data in files.items():
+            parts = Path(name).parts
+            if parts[0] != NEURON_CACHE_DIR or ".." in parts or not name.endswith(NEFF_SUFFIX):
+                raise ValueError(f"{name!r} is not the path of a NEFF under compiled/{NEURON_CACHE_DIR}/")
+            target = directory / "compiled" / name
+            if not target.is_file():
+                _write_file(target, data)
+
     def save(self, directory: Path) -> None:
         target = directory / "compiled" / NEURON_CACHE_DIR
         source = self.neff_cache.directory
@@ -295,4 +383,4 @@ class NeuronBackend:
                 f"Export in a fresh process, with {NEFF_CACHE_ENV} unset or pointing at an empty directory."
             )
         for name in sorted(names):
-            _copy_file(source / name, target / name)
+            _write_file(target / name, (source / name).read_bytes())

@@ -28,10 +28,18 @@ from ..exporters.aoti import graph_runner_releases_gil
 from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.base import StepBackend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
+from ..exporters.neuron import NEURON_COLLECTIVES, prepare_tensor_parallel_rank, tensor_parallel_environments
 from ..neuron_config import Qwen36NeuronConfig, dtype_name
 from ..ops.fp8 import FP8_DTYPE
 from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
-from ..parallel.group import TensorParallelGroup, launch
+from ..parallel.group import (
+    COLLECTIVE_TIMEOUT,
+    GLOO,
+    TensorParallelGroup,
+    TensorParallelWorkerError,
+    launch,
+    under_torchrun,
+)
 from ..parallel.lockstep import LockstepBackend
 from ..parallel.replicated import Driver, Replicas, ReplicatedEngine, Worker, serve_driver, tensor_digest
 from ..prefix_caching import PrefixCache, build_prefix_cache
@@ -278,8 +286,14 @@ class NeuronModelForCausalLM:
                 checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
                 _, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
                 check_fp8_sharding(text_config, quantization, neuron_config.tp_degree)
+            collective_backend, environments = GLOO, None
+            if neuron_config.backend == "neuron":  # before any worker starts: the SDK, each rank's core
+                collective_backend = NEURON_COLLECTIVES
+                prepare_tensor_parallel_rank()
+                if not under_torchrun():  # torchrun gives each process its LOCAL_RANK, and so its core
+                    environments = tensor_parallel_environments(neuron_config.tp_degree)
             job = functools.partial(_export_rank, cls, model_id, neuron_config, options)
-            return launch(neuron_config.tp_degree, job, serve_driver)[1]
+            return launch(neuron_config.tp_degree, job, serve_driver, collective_backend, environments)[1]
         checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
         config, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
         model_cls = cls._resolve_class(config)
@@ -305,7 +319,13 @@ class NeuronModelForCausalLM:
         generation_config = _generation_config(checkpoint_dir, text_config)
         tokenizer_dir = checkpoint_dir if has_tokenizer_files(checkpoint_dir) else str(SHIPPED_TOKENIZER_DIR)
         with contextlib.ExitStack() as compiling:
-            if tp_group is not None and neuron_config.backend != "eager":
+            if tp_group is not None and neuron_config.backend == "neuron":
+                # TorchNeuron's process group sets up the process's Neuron runtime, so it comes before any
+                # device work; the warm-up then runs the steps, collectives included, on every rank. A rank
+                # without the SDK fails before it joins (the others would wait for it in the group).
+                prepare_tensor_parallel_rank()
+                tp_group.rendezvous()
+            elif tp_group is not None and neuron_config.backend != "eager":
                 # Every rank's graphs are the same code (same local shapes, weights bound at load): with a
                 # compile cache, the other ranks take rank 0's compilation from it instead of redoing it.
                 if compile_cache is not None and compiled_dir is None:
@@ -398,16 +418,50 @@ class NeuronModelForCausalLM:
         self._save_weights(save_directory)
         self._save_tokenizer(save_directory)
         self.backend.save(Path(save_directory))
+        if isinstance(self.tensor_parallel, Driver) and self.backend.per_rank_graphs:
+            compiled = Path(save_directory) / COMPILED_DIR
+            saved = sorted(p.relative_to(compiled).as_posix() for p in compiled.rglob("*") if p.is_file())
+            self.tensor_parallel.call(
+                self, "_add_ranks_compiled_files", (saved,), local_kwargs={"directory": Path(save_directory)}
+            )
         artifact.write_model_card(save_directory, self.neuron_config)
         # Last: it hashes every file written above.
-        # Every rank runs the same graphs (`compiled/`: same local shapes, weights bound at load); the plan
-        # says which slice of each saved tensor a rank binds to them.
+        # The plan says which slice of each saved tensor a rank binds to the graphs of `compiled/` (every
+        # rank's on neuron; on cpu, rank 0's are every rank's: same local shapes, weights bound at load).
         plan = {}
         if self.neuron_config.tp_degree > 1:
             plan = {SHARDING_PLAN: sharding_plan(name for name, _ in self.model.named_parameters())}
         artifact.write_manifest(
             save_directory, self.neuron_config.backend, self.neuron_config.tp_degree, extra=plan
         )
+
+    def _add_ranks_compiled_files(self, saved: list[str], directory: Path | None = None) -> None:
+        """On a backend whose ranks compile graphs of their own: every worker sends its compiled files that
+        rank 0 has not `saved` (paths in `compiled/`), and rank 0 adds them to the model it saves at
+        `directory`. A worker that cannot send them says so, and every rank raises the same error."""
+        group = self.tensor_parallel.group
+        if not group.is_driver:
+            key = f"compiled-files/{group.rank}"
+            try:
+                files = self.backend.compiled_files()
+                group.post(key, (True, {name: data for name, data in files.items() if name not in saved}))
+            except Exception as error:
+                group.post(key, (False, f"{type(error).__name__}: {error}"))
+                raise RuntimeError(
+                    f"rank {group.rank} could not send its compiled graphs: {error}"
+                ) from error
+            return
+        for rank in range(1, group.degree):
+            key = f"compiled-files/{rank}"
+            if not group.wait_for(key, COLLECTIVE_TIMEOUT, group.worker_status):
+                raise TensorParallelWorkerError(
+                    f"tensor-parallel worker rank {rank} did not send its compiled graphs within "
+                    f"{COLLECTIVE_TIMEOUT}"
+                )
+            sent, files = group.take(key)
+            if not sent:
+                raise RuntimeError(f"rank {rank} could not send its compiled graphs: {files}")
+            self.backend.add_compiled_files(directory, files)
 
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
         if isinstance(self.tensor_parallel, Driver):
@@ -425,7 +479,8 @@ class NeuronModelForCausalLM:
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters (with tensor parallelism: every rank's shards joined)."""
         # named_parameters() lists a tied weight once: the checkpoint keeps only the embedding.
-        state = {name: p.detach() for name, p in self.model.named_parameters()}
+        # On the host: safetensors and gloo take cpu tensors (a backend may keep the weights on its device).
+        state = {name: p.detach().cpu() for name, p in self.model.named_parameters()}
         if self.tensor_parallel is None:
             return state
         group, gathered = self.tensor_parallel.group, {}

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.sampling import SamplingParams
-from .group import COLLECTIVE_TIMEOUT, TensorParallelGroup, TensorParallelWorkerError
+from .group import COLLECTIVE_TIMEOUT, TensorParallelGroup, TensorParallelWorkerError, broke_a_collective
 from .lockstep import Lockstep, RanksDiverged
 
 # How long the ranks of a call that raised wait for each other's outcome: a bad input raises on every rank
@@ -234,7 +234,7 @@ class Driver(Replicas):
 
     def _after_failure(self, number: int, error: BaseException) -> None:
         """The call raised here: fine if it raised on every rank (bad input), else the group is broken."""
-        if "Connection closed by peer" in str(error) or "Timed out" in str(error):
+        if broke_a_collective(error):
             reason = self.group.explain(error)
             posted = self._worker_errors(number)
             raise self._fail(f"{reason} ({posted})" if posted else reason) from error
