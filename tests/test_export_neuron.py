@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,8 +73,10 @@ def greedy(model: NeuronQwen36ForCausalLM) -> torch.Tensor:
     return model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
 
 
-def export(checkpoint: Path) -> NeuronQwen36ForCausalLM:
-    return NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, backend="neuron", **SETTINGS)
+def export(checkpoint: Path, **settings: Any) -> NeuronQwen36ForCausalLM:
+    return NeuronQwen36ForCausalLM.from_pretrained(
+        checkpoint, export=True, backend="neuron", **{**SETTINGS, **settings}
+    )
 
 
 def outcomes(builds: list[Build]) -> list[tuple[str, str]]:
@@ -320,7 +323,6 @@ def tp_checkpoint(tmp_path: Path) -> Path:
 def workers_too(sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInNeuronSDK]:
     """The stand-in in this process (rank 0) and in the workers it starts; no NeuronCores chosen yet."""
     sdk.reach_new_processes(monkeypatch)
-    monkeypatch.delenv(VISIBLE_CORES_ENV, raising=False)
     yield sdk
 
 
@@ -343,6 +345,11 @@ def close(model: NeuronQwen36ForCausalLM) -> list[int]:
     return [worker.returncode for worker in model.tensor_parallel.group.workers]
 
 
+def build_outcomes(events: list[tuple[str, str]]) -> list[str]:
+    """What each build among a process's logged events found: "compiled", or a hit in the cache."""
+    return [kind for kind, _ in events if kind in ("compiled", "persistent hit", "memory hit")]
+
+
 def worker_events(sdk: StandInNeuronSDK, seen: set[int]) -> list[tuple[str, str]]:
     """The events of the one worker process started since the pids `seen`."""
     logs = {pid: events for pid, events in sdk.logged_events().items() if pid not in seen}
@@ -356,9 +363,7 @@ def test_tp2_gives_one_process_tokens_and_reloads_without_compiling_on_any_rank(
     sdk = workers_too
     want, want_logits = generated_with_logits(export_eager(tp_checkpoint, **SETTINGS))
 
-    model = NeuronQwen36ForCausalLM.from_pretrained(
-        tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
-    )
+    model = export(tp_checkpoint, tp_degree=2)
     tokens, logits = generated_with_logits(model)
     assert torch.equal(tokens, want)
     assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
@@ -397,8 +402,10 @@ def test_tp2_gives_one_process_tokens_and_reloads_without_compiling_on_any_rank(
     rank_1 = worker_events(sdk, seen)
     for events, core in ((sdk.events, "2"), (rank_1, "3")):
         assert ("cores", core) in events
-        builds = [kind for kind, _ in events if kind.endswith("hit") or kind == "compiled"]
-        assert builds == ["persistent hit", "persistent hit"]  # every rank's NEFFs came with the artifact
+        assert build_outcomes(events) == [
+            "persistent hit",
+            "persistent hit",
+        ]  # every rank's NEFFs came with the artifact
     assert close(loaded) == [0]
 
 
@@ -413,9 +420,7 @@ def test_visible_cores_are_shared_out_or_refused_before_any_worker_starts(
     assert cores == ["4", "6", "7", "8"]
     monkeypatch.setenv(VISIBLE_CORES_ENV, "5")
     with pytest.raises(ValueError, match=r"tp_degree=2 runs one rank per NeuronCore.*names 1"):
-        NeuronQwen36ForCausalLM.from_pretrained(
-            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
-        )
+        export(tp_checkpoint, tp_degree=2)
     assert workers_too.logged_events() == {}  # no worker started
     assert os.environ[VISIBLE_CORES_ENV] == "5"
 
@@ -467,8 +472,7 @@ def test_torchrun_ranks_with_caches_of_their_own_save_every_ranks_neffs(
     loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
     assert torch.equal(generated_with_logits(loaded)[0], want)
     for events in (sdk.events, worker_events(sdk, seen)):
-        builds = [kind for kind, _ in events if kind.endswith("hit") or kind == "compiled"]
-        assert builds == ["persistent hit", "persistent hit"]
+        assert build_outcomes(events) == ["persistent hit", "persistent hit"]
     assert close(loaded) == [0]
 
 
@@ -477,14 +481,11 @@ def test_a_worker_without_the_sdk_fails_the_export_at_once_with_its_error(
 ) -> None:
     """The stand-in is in this process only: rank 1 cannot import torch_neuronx, and says so before it
     would join the process group (where rank 0 would wait for it)."""
-    monkeypatch.delenv(VISIBLE_CORES_ENV, raising=False)
     start = time.monotonic()
     with pytest.raises(
         TensorParallelWorkerError, match="rank 1 failed to build its model: NeuronSDKUnavailable"
     ):
-        NeuronQwen36ForCausalLM.from_pretrained(
-            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
-        )
+        export(tp_checkpoint, tp_degree=2)
     assert time.monotonic() - start < 60
 
 
@@ -499,9 +500,7 @@ def test_a_worker_failing_to_compile_ends_the_export_with_its_error(
     with pytest.raises(
         TensorParallelWorkerError, match="rank 1 failed to build its model: RuntimeError: neuronx-cc"
     ):
-        NeuronQwen36ForCausalLM.from_pretrained(
-            tp_checkpoint, export=True, backend="neuron", tp_degree=2, **SETTINGS
-        )
+        export(tp_checkpoint, tp_degree=2)
     assert time.monotonic() - start < 60
     assert not torch.distributed.is_initialized()  # rank 0's group went with the failed export
     assert os.environ[VISIBLE_CORES_ENV] == "2-3"  # rank 0's share ("2") undone

@@ -433,10 +433,7 @@ def _launch_failure(group: TensorParallelGroup, error: BaseException) -> str | N
     posted = _posted_startup_errors(group)
     other = any(not message.startswith(f"{type(error).__name__}:") for message in posted.values())
     if posted and (other or broke_a_collective(error)):
-        return "; ".join(
-            f"tensor-parallel worker rank {rank} failed to build its model: {message}"
-            for rank, message in posted.items()
-        )
+        return "; ".join(_build_failure(rank, message) for rank, message in posted.items())
     if broke_a_collective(error):
         return group.explain(error)
     return None
@@ -450,12 +447,14 @@ def _restore_environment(before: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
+def _build_failure(rank: int, error: str) -> str:
+    return f"tensor-parallel worker rank {rank} failed to build its model: {error}"
+
+
 def _startup_error(group: TensorParallelGroup, rank: int) -> TensorParallelWorkerError | None:
     """The error worker `rank` posted when it failed to build its model (taken from the store), if any."""
     error = group.take(f"{STARTUP_KEY}/{rank}")
-    if error is None:
-        return None
-    return TensorParallelWorkerError(f"tensor-parallel worker rank {rank} failed to build its model: {error}")
+    return None if error is None else TensorParallelWorkerError(_build_failure(rank, error))
 
 
 def _posted_startup_errors(group: TensorParallelGroup) -> dict[int, str]:
