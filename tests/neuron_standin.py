@@ -20,18 +20,18 @@ optimum_qwen36/exporters/neuron.py):
   creation in a process sets up the runtime: it asserts the runtime has not started, sets
   NEURON_RT_VISIBLE_CORES (unless set) to the rank's local rank (LOCAL_RANK with LOCAL_WORLD_SIZE, else its
   place among the ranks of its host: here every rank's host is this one), starts the runtime and asserts one
-  visible core. A collective looks its ranks up in torch.distributed's registry (`get_process_group_ranks`).
+  visible core. Compiling a graph resolves its collectives' group name to the group's ranks through
+  torch.distributed's registry (`get_process_group_ranks`: a group it does not know raises).
   The runtime claims the NeuronCores it sees (NEURON_RT_VISIBLE_CORES, else all `INSTANCE_CORES`): a core
   another process holds fails its start. Not modelled: the root communicator address
   (NEURON_RT_ROOT_COMM_ID), the device index a rank's tensors get, the compiler's lowering of collectives
   into NEFFs and its cross-process cache lock.
 
-Nothing runs on a device: a built step runs the eager function, so the tests use `DEVICE`, the CPU
-(moving a module there counts as device work), and the process group's collectives run through gloo on it
-(the real one's are device collectives; its all-gather kernel is registered for its device, here gloo's
-for the CPU). The real `optimum_qwen36.nki.neuron_ops` needs the real SDK; a stand-in module takes its place
-and, when it is imported, registers the same two ops through `torch_neuronx.nki_op`. `events` records all
-of it, in order (and, in processes a test starts, a log file: `reach_new_processes`).
+Nothing runs on a device: a built step runs the eager function, so the tests use `DEVICE`, the CPU (moving a
+module there counts as device work), and the process group's collectives run through gloo on it (the real
+one's are device collectives). The real `optimum_qwen36.nki.neuron_ops` needs the real SDK; a stand-in module
+takes its place and, when it is imported, registers the same two ops through `torch_neuronx.nki_op`. `events`
+records all of it, in order (and, in processes a test starts, a log file: `reach_new_processes`).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
 import optimum_qwen36.nki
+from optimum_qwen36.modeling.tensor_parallel import GROUP_NAME  # the name the graphs' collectives carry
 from optimum_qwen36.nki.kernels.chunk_gated_delta_rule_torch import chunk_gated_delta_rule_torch
 from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import (
     fused_recurrent_gated_delta_rule_torch,
@@ -246,7 +247,14 @@ class StandInNeuronSDK:
             assert len(self.visible_cores()) == 1, (
                 "Attempted to have more than one device per process in distributed setup"
             )
-        return _StandInProcessGroupNeuron(self, store, rank, size, timeout)
+        # Its collectives run by gloo on the stand-in's device, the CPU. A plain ProcessGroup, not a Python
+        # subclass as the real one is: gloo's threads would take the GIL for every call into a Python
+        # subclass, and deadlock with a main thread that waits for a collective holding it.
+        group = ProcessGroup(store, rank, size)
+        transport = dist.ProcessGroupGloo(dist.PrefixStore("stand-in-neuron", store), rank, size, timeout)
+        group._set_default_backend(ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device(DEVICE), ProcessGroup.BackendType.GLOO, transport)
+        return group
 
     def _build(self, fn: Callable, name: str, signature: tuple[Any, ...], options: dict[str, Any]) -> Build:
         owner = getattr(fn, "__self__", None)
@@ -265,6 +273,7 @@ class StandInNeuronSDK:
         key = hashlib.sha256(graph.encode()).hexdigest()[:32]
         cache_dir = self._runtime_cache_dir()
         path = None if cache_dir is None else cache_dir / key[:2] / key[2:4] / f"{key}.neff"
+        self._resolve_collective_group()
         if os.environ.get(FAIL_COMPILE_ON_RANK_ENV) == str(self.rank):
             raise RuntimeError(f"neuronx-cc failed on {name} (the stand-in, on purpose, on rank {self.rank})")
         if key in self._in_memory:
@@ -281,6 +290,18 @@ class StandInNeuronSDK:
         self._event(outcome, name)
         return build
 
+    def _resolve_collective_group(self) -> None:
+        """What compiling a graph does with its collectives' group name (collective_legalization): resolve it
+        to the group's ranks through torch.distributed's registry (raises for a group it does not know).
+        Recorded once per group: its backend and ranks."""
+        try:
+            group = dist.distributed_c10d._resolve_process_group(GROUP_NAME)
+        except RuntimeError:
+            return  # no collectives: a model of one process
+        described = f"{dist.get_backend(group)} on ranks {dist.get_process_group_ranks(group)}"
+        if ("collective group", described) not in self.events:
+            self._event("collective group", described)
+
     def define_neuron_ops(self, module: types.ModuleType) -> None:
         """The stand-in optimum_qwen36.nki.neuron_ops: registers the two ops, as the real module does."""
         self._event("import", NEURON_OPS)
@@ -288,33 +309,6 @@ class StandInNeuronSDK:
         module.chunk_gated_delta_rule = nki_op(OPS[0], mutates_args=())(chunk_gated_delta_rule_torch)
         module.fused_recurrent_gated_delta_rule = nki_op(OPS[1], mutates_args=())(
             fused_recurrent_gated_delta_rule_torch
-        )
-
-
-class _StandInProcessGroupNeuron(ProcessGroup):
-    """TorchNeuron's ProcessGroupNeuron: its all-reduce (the one the model's row-parallel layers and
-    embedding run) looks its ranks up in torch.distributed's registry, as the real one does, and is
-    recorded; the transport is gloo on the stand-in's device, the CPU."""
-
-    def __init__(self, sdk: StandInNeuronSDK, store: Any, rank: int, size: int, timeout: datetime.timedelta):
-        super().__init__(rank, size)
-        self.sdk = sdk
-        self.transport = dist.ProcessGroupGloo(
-            dist.PrefixStore("stand-in-neuron", store), rank, size, timeout
-        )
-        self._register_backend(torch.device(DEVICE), ProcessGroup.BackendType.GLOO, self.transport)
-        self.recorded = False
-
-    def getBackendName(self) -> str:
-        return "neuron"
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        ranks = dist.get_process_group_ranks(self)  # raises for a group torch.distributed does not know
-        if not self.recorded:
-            self.recorded = True
-            self.sdk._event("collective", f"allreduce on ranks {ranks}")
-        return (
-            self.transport.allreduce(tensors, opts) if opts is not None else self.transport.allreduce(tensors)
         )
 
 

@@ -367,15 +367,15 @@ def test_tp2_gives_one_process_tokens_and_reloads_without_compiling_on_any_rank(
     tokens, logits = generated_with_logits(model)
     assert torch.equal(tokens, want)
     assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
-    # Each rank: its process group first, then its runtime, on a core of its own; the steps' all-reduces
-    # ran on that group. TorchNeuron chose the cores (rank r: core r).
+    # Each rank: its process group first, then its runtime, on a core of its own; compiling the steps
+    # resolved their collectives' group name to that group. TorchNeuron chose the cores (rank r: core r).
     rank_1 = worker_events(sdk, set())
     for events, rank in ((sdk.events, 0), (rank_1, 1)):
         kinds = [kind for kind, _ in events]
         assert kinds.index("process group") < kinds.index("runtime") < kinds.index("compiled")
         assert ("process group", f"rank {rank} of 2") in events
         assert ("cores", str(rank)) in events
-        assert ("collective", "allreduce on ranks [0, 1]") in events
+        assert ("collective group", "neuron on ranks [0, 1]") in events
     # Each rank compiled its prefill_chunk and decode_step; the ranks' graphs differ (each holds where its
     # share of the vocabulary starts), so four NEFFs, in the one cache directory the ranks share.
     for events in (sdk.events, rank_1):
@@ -463,7 +463,7 @@ def test_torchrun_ranks_with_caches_of_their_own_save_every_ranks_neffs(
         kinds = [kind for kind, _ in events]
         assert kinds.index("process group") < kinds.index("runtime") < kinds.index("compiled")
         assert ("cores", str(rank)) in events
-        assert ("collective", "allreduce on ranks [0, 1]") in events
+        assert ("collective group", "neuron on ranks [0, 1]") in events
         caches |= {what for kind, what in events if kind == "runtime"}
     assert len(caches) == 2  # a cache directory each
     assert len(artifact_neffs(saved)) == 4  # prefill_chunk and decode_step of each rank
