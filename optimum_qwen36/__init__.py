@@ -1,9 +1,14 @@
 """optimum-qwen36: Qwen3.6 / Qwen3.5 hybrid models through a Hugging Face-native API."""
 
-from .modeling.cache import Qwen36HybridCache
+from ._version import __version__
 from .modeling.causal_lm import NeuronModelForCausalLM, NeuronQwen36ForCausalLM
-from .neuron_config import Qwen36NeuronConfig
+from .network.cache import Qwen36HybridCache
+from .network.neuron_config import Qwen36NeuronConfig
 
-__version__ = "0.1.0"
-
-__all__ = ["NeuronModelForCausalLM", "NeuronQwen36ForCausalLM", "Qwen36HybridCache", "Qwen36NeuronConfig"]
+__all__ = [
+    "NeuronModelForCausalLM",
+    "NeuronQwen36ForCausalLM",
+    "Qwen36HybridCache",
+    "Qwen36NeuronConfig",
+    "__version__",
+]

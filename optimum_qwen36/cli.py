@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .neuron_config import (
+from .network.neuron_config import (
     FP8_MODULE_SETS,
     NEURON_CONFIG_NAME,
     SUPPORTED_BACKENDS,
@@ -205,7 +205,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"{entry['key'][:16]}  {entry['bytes'] / 1e6:8.1f} MB  {json.dumps(entry['description'])}")
         return 0
     from . import NeuronQwen36ForCausalLM
-    from .modeling.weights import resolve_checkpoint
+    from .network.weights import resolve_checkpoint
 
     settings = {k: v for k, v in _settings(args).items() if v is not None}
     neuron_config = NeuronQwen36ForCausalLM.get_neuron_config(args.model, revision=args.revision, **settings)

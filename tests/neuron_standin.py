@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup
 
 import optimum_qwen36.nki
-from optimum_qwen36.modeling.tensor_parallel import GROUP_NAME  # the name the graphs' collectives carry
+from optimum_qwen36.network.sharding import GROUP_NAME  # the name the graphs' collectives carry
 from optimum_qwen36.nki.kernels.chunk_gated_delta_rule_torch import chunk_gated_delta_rule_torch
 from optimum_qwen36.nki.kernels.fused_recurrent_gated_delta_rule_torch import (
     fused_recurrent_gated_delta_rule_torch,

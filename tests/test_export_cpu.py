@@ -30,7 +30,7 @@ from optimum_qwen36.exporters import artifact, backends, regions
 from optimum_qwen36.exporters.backends import graphs_to_compile
 from optimum_qwen36.exporters.base import example_step_args
 from optimum_qwen36.exporters.compile_cache import CompileCache
-from optimum_qwen36.modeling.cache import PADDING_SLOT
+from optimum_qwen36.network.cache import PADDING_SLOT
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
 if BACKEND not in ("cpu", "cuda"):

@@ -151,7 +151,7 @@ def test_cli_cache_lookup_reports_a_hub_hit(
     from optimum_qwen36 import NeuronQwen36ForCausalLM
     from optimum_qwen36.exporters import compile_cache
     from optimum_qwen36.exporters.compile_cache import compile_key
-    from optimum_qwen36.modeling.config import load_config
+    from optimum_qwen36.network.config import load_config
 
     checkpoint, _ = tiny_checkpoint()
     flags = ["--backend", "cpu", "--sequence-length", "64", "--dtype", "float32"]

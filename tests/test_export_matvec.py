@@ -24,7 +24,7 @@ from optimum_qwen36.exporters.matvec import (
     weight_major_linear,
     widened_linear,
 )
-from optimum_qwen36.neuron_config import Qwen36NeuronConfig
+from optimum_qwen36.network.neuron_config import Qwen36NeuronConfig
 from optimum_qwen36.ops.native import bf16_linear_vectorized, load_native_ops
 
 

@@ -9,8 +9,8 @@ import torch
 from conftest import tiny_text_config
 
 from optimum_qwen36.exporters.regions import StepShapes, layer_kinds, step_files
-from optimum_qwen36.modeling.quantization import Fp8Quantization, replace_with_fp8_linears
-from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
+from optimum_qwen36.network.model import Qwen36ForCausalLM
+from optimum_qwen36.network.quantization import Fp8Quantization, replace_with_fp8_linears
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

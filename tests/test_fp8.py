@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.compile_cache import compile_key
-from optimum_qwen36.modeling.quantization import Fp8Linear, fp8_module_names
-from optimum_qwen36.modeling.weights import CheckpointError
+from optimum_qwen36.network.quantization import Fp8Linear, fp8_module_names
+from optimum_qwen36.network.weights import CheckpointError
 from optimum_qwen36.ops.fp8 import (
     DEFAULT_BLOCK_SIZE,
     E4M3_MAX,

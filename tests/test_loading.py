@@ -13,7 +13,7 @@ from helpers import export_eager, left_padded_prompts
 from safetensors.torch import load_file, save_file
 
 from optimum_qwen36 import NeuronModelForCausalLM, NeuronQwen36ForCausalLM, Qwen36NeuronConfig
-from optimum_qwen36.modeling.weights import CheckpointError
+from optimum_qwen36.network.weights import CheckpointError
 
 
 def _rewrite_weights(path: Path, edit) -> None:

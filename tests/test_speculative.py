@@ -33,8 +33,8 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.engine.sampling import SamplingRow, filter_logits, request_generator, verify_drafts
 from optimum_qwen36.exporters.compile_cache import compile_key
-from optimum_qwen36.modeling.quantization import Fp8Linear
-from optimum_qwen36.modeling.weights import CheckpointError
+from optimum_qwen36.network.quantization import Fp8Linear
+from optimum_qwen36.network.weights import CheckpointError
 
 SETTINGS = dict(batch_size=4, sequence_length=1024, prefill_chunk_size=64)
 VOCAB = 512

@@ -26,11 +26,12 @@ from transformers import Qwen3_5TextConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.distributed.group import TensorParallelWorkerError
 from optimum_qwen36.engine import SamplingParams
 from optimum_qwen36.exporters.artifact import MANIFEST_NAME
-from optimum_qwen36.modeling.quantization import Fp8Quantization, fp8_module_names
-from optimum_qwen36.modeling.qwen36 import Qwen36ForCausalLM
-from optimum_qwen36.modeling.tensor_parallel import (
+from optimum_qwen36.network.model import Qwen36ForCausalLM
+from optimum_qwen36.network.quantization import Fp8Quantization, fp8_module_names
+from optimum_qwen36.network.sharding import (
     TensorParallelError,
     check_tp_degree,
     shard_config,
@@ -40,9 +41,8 @@ from optimum_qwen36.modeling.tensor_parallel import (
     unshard_tensor,
     valid_degrees,
 )
-from optimum_qwen36.modeling.weights import check_fp8_sharding
+from optimum_qwen36.network.weights import check_fp8_sharding
 from optimum_qwen36.ops.fp8 import dequantize_fp8, quantize_fp8
-from optimum_qwen36.parallel.group import TensorParallelWorkerError
 
 AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
 # FP8 scale blocks that every rank's slice of the AWKWARD model's weights is made of, at tp=2.

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..exporters.base import StepBackend
-from ..modeling.cache import Qwen36HybridCache
+from ..network.cache import Qwen36HybridCache
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .request import FinishReason, Request, RequestOutput, RequestState, ResumePoint

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exporters.base import StepBackend
-from ..modeling.cache import PADDING_SLOT, Qwen36HybridCache
+from ..network.cache import PADDING_SLOT, Qwen36HybridCache
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..ops.native import cpu_flags, load_native_ops
 
 MANIFEST_NAME = "export_manifest.json"
@@ -100,8 +101,6 @@ def compiler_version(backend: str) -> str:
 
 def environment(backend: str) -> dict[str, Any]:
     """The versions (and, for cpu, the ISA) a compiled artifact is valid for."""
-    from .. import __version__
-
     env: dict[str, Any] = {
         "optimum_qwen36": __version__,
         "torch": torch.__version__,

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
-from ..modeling.cache import Qwen36HybridCache
-from ..modeling.qwen36 import Qwen36ForCausalLM
-from ..neuron_config import Qwen36NeuronConfig
+from ..network.cache import Qwen36HybridCache
+from ..network.model import Qwen36ForCausalLM
+from ..network.neuron_config import Qwen36NeuronConfig
 from ..ops.attention import (
     paged_attention_native,
     paged_attention_torch,

@@ -8,9 +8,9 @@ from typing import Protocol
 
 import torch
 
-from ..modeling.cache import Qwen36HybridCache
-from ..modeling.qwen36 import Qwen36ForCausalLM
-from ..neuron_config import Qwen36NeuronConfig
+from ..network.cache import Qwen36HybridCache
+from ..network.model import Qwen36ForCausalLM
+from ..network.neuron_config import Qwen36NeuronConfig
 
 
 class StepBackend(Protocol):

@@ -59,13 +59,13 @@ def default_cache_dir() -> Path:
 def graph_sources() -> list[Path]:
     """The code the compiled graphs come from: the model, every op it calls (PyTorch forms and native
     sources), the NKI twins, and how this package exports them."""
-    from ..modeling import quantization, qwen36
+    from ..network import model, quantization
     from ..nki import kernels
     from ..ops import native
 
     kernel_dir = Path(kernels.__file__).parent
     return [
-        Path(qwen36.__file__),
+        Path(model.__file__),
         Path(quantization.__file__),
         *sorted(Path(native.__file__).parent.glob("*.py")),
         *native.FILES,

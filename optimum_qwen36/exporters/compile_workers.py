@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
-from ..modeling.tensor_parallel import stand_in_group
+from ..network.sharding import stand_in_group
 from . import aoti
 from .aoti import bound_constants, package_program
 

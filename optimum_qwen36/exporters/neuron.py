@@ -73,9 +73,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..modeling.quantization import rescale_for_range
-from ..modeling.qwen36 import Qwen36ForCausalLM
-from ..neuron_config import Qwen36NeuronConfig
+from ..network.model import Qwen36ForCausalLM
+from ..network.neuron_config import Qwen36NeuronConfig
+from ..network.quantization import rescale_for_range
 from ..ops.fp8 import NEURON_E4M3_MAX
 from .base import example_step_args
 

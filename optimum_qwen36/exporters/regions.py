@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..modeling.qwen36 import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
+from ..network.model import Qwen36DecoderLayer, Qwen36ForCausalLM, StepInputs
 from .aoti import CompiledGraph, export_method
 from .base import MIN_BATCH_ROWS, MIN_PACKED_SEQUENCES, MIN_PREFILL_TOKENS, MIN_TABLE_BLOCKS
 from .compile_workers import CompilePool, default_workers

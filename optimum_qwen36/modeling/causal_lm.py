@@ -22,17 +22,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine import Engine, ResumePoint, SamplingParams
-from ..exporters import artifact
-from ..exporters.aoti import graph_runner_releases_gil
-from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
-from ..exporters.base import StepBackend
-from ..exporters.compile_cache import CompileCache, make_compile_cache
-from ..exporters.neuron import NEURON_COLLECTIVES, prepare_tensor_parallel_rank, tensor_parallel_environments
-from ..neuron_config import Qwen36NeuronConfig, dtype_name
-from ..ops.fp8 import FP8_DTYPE
-from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
-from ..parallel.group import (
+from ..distributed.group import (
     COLLECTIVE_TIMEOUT,
     GLOO,
     TensorParallelGroup,
@@ -40,25 +30,22 @@ from ..parallel.group import (
     launch,
     under_torchrun,
 )
-from ..parallel.lockstep import LockstepBackend
-from ..parallel.replicated import Driver, Replicas, ReplicatedEngine, Worker, serve_driver, tensor_digest
-from ..prefix_caching import PrefixCache, build_prefix_cache
-from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
-from ..tokenizer import has_tokenizer_files
-from .cache import Qwen36HybridCache
-from .config import is_multimodal_layout, load_config, text_config_of
-from .generation import (
-    build_logits_processors,
-    build_stopping_criteria,
-    eos_token_ids,
-    max_new_tokens_of,
-    pads_finished_rows,
-    prepare_generation_config,
-    select_next_tokens,
-)
-from .quantization import SCALE_SUFFIX, Fp8Quantization
-from .qwen36 import Qwen36ForCausalLM
-from .tensor_parallel import (
+from ..distributed.lockstep import LockstepBackend
+from ..distributed.replicated import Driver, Replicas, Worker, serve_driver, tensor_digest
+from ..engine import Engine, ResumePoint, SamplingParams
+from ..engine.replicated import ReplicatedEngine
+from ..exporters import artifact
+from ..exporters.aoti import graph_runner_releases_gil
+from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
+from ..exporters.base import StepBackend
+from ..exporters.compile_cache import CompileCache, make_compile_cache
+from ..exporters.neuron import NEURON_COLLECTIVES, prepare_tensor_parallel_rank, tensor_parallel_environments
+from ..network.cache import Qwen36HybridCache
+from ..network.config import is_multimodal_layout, load_config, text_config_of
+from ..network.model import Qwen36ForCausalLM
+from ..network.neuron_config import Qwen36NeuronConfig, dtype_name
+from ..network.quantization import SCALE_SUFFIX, Fp8Quantization
+from ..network.sharding import (
     FunctionalCollectives,
     check_sharding_plan,
     check_tp_degree,
@@ -67,13 +54,27 @@ from .tensor_parallel import (
     unshard_scale,
     unshard_tensor,
 )
-from .weights import (
+from ..network.weights import (
     build_model,
     check_fp8_sharding,
     checkpoint_fp8_modules,
     fp8_modules_of_checkpoint,
     fp8_quantization,
     resolve_checkpoint,
+)
+from ..ops.fp8 import FP8_DTYPE
+from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
+from ..prefix_caching import PrefixCache, build_prefix_cache
+from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
+from ..tokenizer import has_tokenizer_files
+from .generation import (
+    build_logits_processors,
+    build_stopping_criteria,
+    eos_token_ids,
+    max_new_tokens_of,
+    pads_finished_rows,
+    prepare_generation_config,
+    select_next_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,14 +134,14 @@ class NeuronModelForCausalLM:
         self.config = config
         self.neuron_config = neuron_config
         self.model = model
-        # With tp_degree > 1 the ranks compare each step's inputs before running it (parallel/lockstep.py).
+        # With tp_degree > 1 the ranks compare each step's inputs before running it (distributed/lockstep.py).
         if tensor_parallel is not None:
             backend = LockstepBackend(backend, tensor_parallel.lockstep)
         self.backend = backend
         self.generation_config = generation_config
         self.tokenizer_dir = tokenizer_dir
-        # With tp_degree > 1: this rank's part of the replicated control plane (parallel/replicated.py); the
-        # model is its object 0 on every rank, and `model.config` is this rank's share of `config`.
+        # With tp_degree > 1: this rank's part of the replicated control plane (distributed/replicated.py);
+        # the model is its object 0 on every rank, and `model.config` is this rank's share of `config`.
         self.tensor_parallel = tensor_parallel
         if tensor_parallel is not None:
             tensor_parallel.register(self)

@@ -11,8 +11,8 @@ from .manager import PrefixCache, PrefixCacheConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from ..modeling.cache import Qwen36HybridCache
-    from ..neuron_config import Qwen36NeuronConfig
+    from ..network.cache import Qwen36HybridCache
+    from ..network.neuron_config import Qwen36NeuronConfig
 
 
 def build_prefix_cache(

@@ -5,7 +5,7 @@ group for the cpu tensors of saving), its TCPStore for everything else (calls, o
 Two ways to get the processes:
 
 - `launch` (from_pretrained(..., tp_degree=N) in an ordinary process): this process is rank 0 and starts
-  N - 1 worker processes (`python -m optimum_qwen36.parallel.worker`: fresh interpreters that do not
+  N - 1 worker processes (`python -m optimum_qwen36.distributed.worker`: fresh interpreters that do not
   re-run the caller's script), on this machine, with a store on a free local port; each rank gets its
   share of this process's threads.
 - under `torchrun` (RANK / WORLD_SIZE set, one node or several): every process is one of torchrun's; rank 0
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..modeling.tensor_parallel import bind_group, named_process_group, stand_in_group
+from ..network.sharding import bind_group, named_process_group, stand_in_group
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,14 @@ def launch(
     environments = environments or [{} for _ in range(degree)]
     before = {name: os.environ.get(name) for name in environments[0]}
     os.environ.update(environments[0])
-    command = [sys.executable, "-m", "optimum_qwen36.parallel.worker", str(degree), str(port), str(threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "optimum_qwen36.distributed.worker",
+        str(degree),
+        str(port),
+        str(threads),
+    ]
     secret = secrets.token_bytes(32)
     workers = [
         # The secret is not on the command line: `ps` shows that.

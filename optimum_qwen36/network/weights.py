@@ -13,9 +13,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from ..neuron_config import CHECKPOINT_FP8_MODULES
 from ..ops.fp8 import FP8_DTYPE, quantize_fp8
 from .config import MULTIMODAL_LM_PREFIX, text_model_name
+from .model import Qwen36ForCausalLM
+from .neuron_config import CHECKPOINT_FP8_MODULES
 from .quantization import (
     MTP_LINEARS,
     SCALE_SUFFIX,
@@ -25,8 +26,7 @@ from .quantization import (
     not_converted,
     replace_with_fp8_linears,
 )
-from .qwen36 import Qwen36ForCausalLM
-from .tensor_parallel import (
+from .sharding import (
     TensorParallelError,
     scale_blocks,
     shard_config,
@@ -133,7 +133,7 @@ def build_model(
     """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype;
     the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here). `mtp`: also
     the multi-token-prediction layer (`mtp.*`), which the checkpoint must hold. `shard` (rank, degree):
-    that tensor-parallel rank's model, holding its slice of each tensor (modeling/tensor_parallel.py).
+    that tensor-parallel rank's model, holding its slice of each tensor (network/sharding.py).
 
     Shows a progress bar per tensor on a terminal (tqdm; off when stderr is not a TTY) and logs the time."""
     start = time.perf_counter()

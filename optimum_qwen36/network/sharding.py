@@ -50,7 +50,7 @@ VOCAB_PARALLEL = ("model.embed_tokens", "lm_head")
 
 # The process group name the collectives are called by. Compiled graphs hold it (AOTInductor writes the
 # name into the generated code), so it is one constant: whoever runs a rank's model binds it to that rank's
-# process group (parallel/group.py) before the model runs.
+# process group (distributed/group.py) before the model runs.
 GROUP_NAME = "optimum_qwen36_tp"
 
 

@@ -14,7 +14,7 @@ NEURON_CONFIG_NAME = "neuron_config.json"
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_BACKENDS = ("eager", "cpu", "cuda", "neuron")
 SUPPORTED_QUANTIZATIONS = ("fp8",)
-# Which linear layers FP8 quantizes (modeling/quantization.py lists them), or "checkpoint": those an FP8
+# Which linear layers FP8 quantizes (network/quantization.py lists them), or "checkpoint": those an FP8
 # checkpoint holds, whichever set that is.
 FP8_MODULE_SETS = ("mlp", "linear")
 CHECKPOINT_FP8_MODULES = "checkpoint"

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process: `python -m optimum_qwen36.parallel.worker DEGREE PORT THREADS RANK`
+"""A tensor-parallel worker process: `python -m optimum_qwen36.distributed.worker DEGREE PORT THREADS RANK`
 (started by `group.launch`; what it builds and serves comes from the driver's store)."""
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..neuron_config import FP8_MODULE_SETS
 from ..ops.fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, fp8_linear, requantize_fp8, scale_shape
 from .config import LINEAR_ATTENTION, text_model_name
+from .neuron_config import FP8_MODULE_SETS
 
 SCALE_SUFFIX = ".weight_scale_inv"
 MLP_LINEARS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
