@@ -53,7 +53,7 @@ from bench_generate import random_checkpoint
 from timing import VLLM_PYTHON_ENV, PeerProcess, add_vllm_arguments, command_line, fmt, machine, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE, STATIC, VLLM = "engine", "static generate", "vllm"
@@ -98,7 +98,7 @@ def run_engine(model: NeuronQwen36ForCausalLM, works: list[Work]) -> list[Served
         while pending and works[pending[0]].arrival_s <= now:
             i = pending.popleft()
             params = SamplingParams(temperature=0, max_tokens=works[i].output_tokens, ignore_eos=True)
-            requests[i] = engine.request(engine.add_request(works[i].prompt, params))
+            requests[i] = engine.request(engine.add_request(EngineRequest(works[i].prompt, params)))
             requests[i].arrival_time = start + works[i].arrival_s
         if engine.has_unfinished():
             engine.step()

@@ -31,6 +31,7 @@ from timing import alternate, command_line, fmt, machine, paired_ratios, spread,
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
+from optimum_qwen36.network.cache import CacheStorage
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -131,7 +132,13 @@ def main() -> None:
         )  # fmt: skip
         if not model.backend.packs_prefill:
             raise SystemExit("this CPU's prefill graphs take one sequence per call (no native GDN chunk op)")
-        runner = ModelRunner(model.backend, model.new_cache(), args.chunk)
+        runner = ModelRunner(
+            model.backend,
+            CacheStorage.for_settings(
+                model.model.config, model.neuron_config, snapshot_slots=model.backend.prefill_snapshots
+            ),
+            args.chunk,
+        )
         report = {
             "command": command_line(),
             "machine": machine(),

@@ -31,6 +31,7 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import CompiledGraph, compile_method
 from optimum_qwen36.exporters.backends import graphs_to_compile, linears_mode, model_tensors
 from optimum_qwen36.exporters.base import blocks_in_use, example_step_args
+from optimum_qwen36.network.cache import CacheStorage
 from optimum_qwen36.ops.native import bf16_linear_vectorized, bf16_matmul_instructions
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -103,7 +104,9 @@ def main() -> None:
         )
         cache_hits.append(time.perf_counter() - start)
 
-    examples = example_step_args(model.neuron_config, model.new_cache())
+    examples = example_step_args(
+        model.neuron_config, CacheStorage.for_settings(model.model.config, model.neuron_config)
+    )
     tensors = model_tensors(model.model)
     whole, whole_compile_s = {}, {}
     for step in graphs_to_compile(model.neuron_config):

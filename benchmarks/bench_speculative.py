@@ -38,7 +38,7 @@ from text_model import CONFIG, corpus
 from timing import alternate, fmt, machine, paired_ratios, spread
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.engine.runner import ModelRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -92,7 +92,7 @@ def decode_run(model, batch: list[list[int]], new_tokens: int) -> dict:
     per decode step the milliseconds in each kind of backend call and in the rest."""
     engine = model.create_engine()
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in batch]
+    ids = [engine.add_request(EngineRequest(prompt, params)) for prompt in batch]
     requests = [engine.request(i) for i in ids]
     engine.step()  # the prefill (one chunk per prompt, batched in one step's plan)
     while any(r.first_token_time is None for r in requests):

@@ -1,8 +1,8 @@
 """optimum-qwen36: Qwen3.6 / Qwen3.5 hybrid models through a Hugging Face-native API."""
 
 from ._version import __version__
+from .modeling.cache import Qwen36HybridCache
 from .modeling.causal_lm import NeuronModelForCausalLM, NeuronQwen36ForCausalLM
-from .network.cache import Qwen36HybridCache
 from .network.neuron_config import Qwen36NeuronConfig
 
 __all__ = [

@@ -16,6 +16,7 @@ from transformers.generation.logits_process import LogitsProcessor
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.engine.request import Request
 from optimum_qwen36.engine.speculative import MTPDrafter
+from optimum_qwen36.network.cache import CacheStorage
 from optimum_qwen36.ops.native import BF16_FLAGS, cpu_flags
 
 # A query's bf16 attention is bitwise the same in a prefill chunk and alone, and a bf16 linear layer's row
@@ -47,6 +48,16 @@ def export_eager(checkpoint: Path, **settings: Any) -> NeuronQwen36ForCausalLM:
         backend="eager", batch_size=3, sequence_length=256, dtype="float32", prefill_chunk_size=16
     )
     return NeuronQwen36ForCausalLM.from_pretrained(checkpoint, export=True, **{**defaults, **settings})
+
+
+def engine_storage(model: NeuronQwen36ForCausalLM) -> CacheStorage:
+    """A cache storage of the shapes the model's engines run in (the steps' cache arguments)."""
+    return CacheStorage.for_settings(
+        model.model.config,
+        model.neuron_config,
+        model.backend.device,
+        snapshot_slots=model.backend.prefill_snapshots,
+    )
 
 
 class CountingBackend:

@@ -22,7 +22,7 @@ def test_shapes_hold_kv_for_attention_layers_only() -> None:
     assert len(cache) == 8
     assert cache.key_cache.shape == (2, 1 + 3 * 7, 16, 2, 32)  # null block + 7 blocks of 16 per row
     # One GDN state slot per row, and the scratch slot a static-batch backend decodes padding rows in.
-    assert cache.conv_state.shape == (6, 3 + 1, 2 * 2 * 16 + 4 * 16, 3) and cache.scratch_slot == 3
+    assert cache.conv_state.shape == (6, 3 + 1, 2 * 2 * 16 + 4 * 16, 3) and cache.storage.scratch_slot == 3
     assert cache.recurrent_state.shape == (6, 3 + 1, 4, 16, 16)
     assert cache.recurrent_state.dtype == torch.float32
     assert not (cache.block_tables == 0).any()  # the null block is never handed out

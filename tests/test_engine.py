@@ -24,13 +24,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from optimum_qwen36 import Qwen36HybridCache
 from optimum_qwen36.engine import (
     AsyncEngine,
+    ChosenToken,
     EngineDeadError,
     EngineLoop,
+    EngineRequest,
     FinishReason,
     IncrementalDetokenizer,
-    ResumePoint,
     SamplingParams,
 )
 from optimum_qwen36.engine.sampling import SamplingRow, apply_penalties, filter_logits, request_generator
@@ -61,7 +63,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def solo(model, prompt: list[int], params: SamplingParams) -> Any:
     engine = model.create_engine()
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.add_request(EngineRequest(prompt, params))
     return engine.run()[request_id]
 
 
@@ -111,7 +113,7 @@ def run_outputs(engine: Any, prompts: list[list[int]], params: SamplingParams) -
     """Each prompt's RequestOutputs, the requests run one after the other on one engine."""
     runs = []
     for prompt in prompts:
-        request_id = engine.add_request(prompt, params)
+        request_id = engine.add_request(EngineRequest(prompt, params))
         outputs = []
         while engine.has_unfinished():
             outputs += [o for o in engine.step() if o.request_id == request_id]
@@ -152,7 +154,7 @@ def test_prompt_logprobs_survive_preemption(cold, cached) -> None:
     prompts = [tokens(n, 20 + i) for i, n in enumerate((300, 260, 200))]
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, prompt_logprobs=1)
     engine = cached.create_engine(num_kv_blocks=13, max_num_batched_tokens=2 * 64 + 8)  # 12 usable blocks
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    ids = [engine.add_request(EngineRequest(prompt, params)) for prompt in prompts]
     held = [engine.request(request_id) for request_id in ids]
     delivered: dict[str, list[Any]] = {request_id: [] for request_id in ids}
     while engine.has_unfinished():
@@ -205,7 +207,7 @@ def test_requests_get_their_solo_tokens_in_company(cold, cached) -> None:
     while step <= max(arrivals) or engine.has_unfinished():
         for i, arrival in enumerate(arrivals):
             if arrival == step:
-                held[i] = engine.request(engine.add_request(prompts[i], params[i]))
+                held[i] = engine.request(engine.add_request(EngineRequest(prompts[i], params[i])))
         if step == arrivals[aborted] + 6:
             engine.abort(held[aborted].request_id)
         engine.step()
@@ -226,9 +228,9 @@ def test_requests_get_their_solo_tokens_in_company(cold, cached) -> None:
 
 def test_a_long_prefill_delays_running_decodes_by_one_chunk_per_step(cold) -> None:
     engine = cold.create_engine()
-    short = engine.add_request(tokens(10, 20), SamplingParams(temperature=0, max_tokens=30))
+    short = engine.add_request(EngineRequest(tokens(10, 20), SamplingParams(temperature=0, max_tokens=30)))
     engine.step()  # prefill of the short prompt and its first token
-    long = engine.add_request(tokens(600, 21), SamplingParams(temperature=0, max_tokens=2))
+    long = engine.add_request(EngineRequest(tokens(600, 21), SamplingParams(temperature=0, max_tokens=2)))
     held = {short: engine.request(short), long: engine.request(long)}
     steps_while_prefilling = 0
     while held[long].state.value != "decoding":
@@ -254,16 +256,20 @@ def test_stop_conditions(cold) -> None:
     assert stop not in later.output_ids[:7]
     engine = cold.create_engine()
     engine.eos_token_ids = (stop,)
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20))
+    request_id = engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=20)))
     assert engine.run()[request_id].output_ids == greedy[: first + 1]
-    ignored = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    ignored = engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    )
     assert engine.run()[ignored].output_ids == greedy
 
 
 def test_abort_frees_the_slot_and_blocks_at_once(cached) -> None:
     engine = cached.create_engine()
     pool = engine.prefix_cache.pool
-    request_id = engine.add_request(tokens(300, 40), SamplingParams(temperature=0, max_tokens=50))
+    request_id = engine.add_request(
+        EngineRequest(tokens(300, 40), SamplingParams(temperature=0, max_tokens=50))
+    )
     engine.step()
     assert any(pool.ref_count(b) for b in range(1, pool.num_blocks))
     final = engine.abort(request_id)
@@ -281,10 +287,12 @@ def test_a_reusable_prefix_is_checkpointed_where_the_next_turn_branches_off(cold
     engine = cached.create_engine()
     for seed, reusable_prefix, hit in ((21, None, 0), (31, 190, 128)):
         history = tokens(190, seed)
-        first = engine.add_request(history + tokens(6, seed + 1), params, reusable_prefix=reusable_prefix)
+        first = engine.add_request(
+            EngineRequest(history + tokens(6, seed + 1), params, reusable_prefix=reusable_prefix)
+        )
         engine.run()
         follow_up = history + tokens(40, seed + 2)
-        request_id = engine.add_request(follow_up, params)
+        request_id = engine.add_request(EngineRequest(follow_up, params))
         done = engine.run()[request_id]
         assert done.cached_prompt_tokens == hit, (first, reusable_prefix)
         assert done.output_ids == solo(cold, follow_up, params).output_ids
@@ -306,12 +314,14 @@ def test_a_chunk_runs_past_the_checkpoints_its_call_snapshots(checkpoint, cold, 
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=0)
     history = tokens(190, 61)
     prompt = history + tokens(10, 62)
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), reusable_prefix=190)
+    engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=1), reusable_prefix=190)
+    )
     engine.run()
     assert backend.prefill_calls == 3 - snapshots
     assert engine.prefix_cache.stats()["checkpoints_stored"] == 2
     for again, hit in ((history + tokens(40, 63), 128), (prompt, 192)):
-        request_id = engine.add_request(again, params)
+        request_id = engine.add_request(EngineRequest(again, params))
         warm = engine.run()[request_id]
         assert warm.cached_prompt_tokens == hit
         expected = solo(cold, again, params)
@@ -330,13 +340,13 @@ def test_a_next_turn_resumes_where_the_answer_ended(cold, cached) -> None:
     backend = engine.runner.backend = CountingBackend(engine.runner.backend)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
     prompt = tokens(100, 64)
-    request_id = engine.add_request(prompt, params)
+    request_id = engine.add_request(EngineRequest(prompt, params))
     first = engine.run()[request_id]  # fed: 100 prompt + 29 output tokens
     turn = prompt + first.output_ids + tokens(20, 65)
     expected = solo(cold, turn, params)
     for hit in (129, 128):
         computed = backend.prefill_tokens
-        request_id = engine.add_request(turn, params)
+        request_id = engine.add_request(EngineRequest(turn, params))
         warm = engine.run()[request_id]
         assert warm.cached_prompt_tokens == hit
         assert backend.prefill_tokens - computed == len(turn) - hit
@@ -355,7 +365,7 @@ def test_a_preempted_request_leaves_no_tail(cold, cached) -> None:
     engine = cached.create_engine(num_kv_blocks=3)  # two usable blocks of 64 positions
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [tokens(40, 90), tokens(30, 91)]
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    ids = [engine.add_request(EngineRequest(prompt, params)) for prompt in prompts]
     outputs = engine.run()
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache"]["tails_stored"] == 2
@@ -363,105 +373,126 @@ def test_a_preempted_request_leaves_no_tail(cold, cached) -> None:
         assert outputs[request_id].output_ids == solo(cold, prompt, params).output_ids
 
 
-def test_a_caller_sampled_request_waits_for_its_pick_while_the_others_go_on(cold) -> None:
-    """generate()'s way through the engine: the caller gets the logits of its request's next token, the
-    engine computes nothing more for it until the caller appends its pick, and the others keep decoding.
-    Picking the argmax gives the engine's own greedy tokens, from the same logits."""
+class Lockstep:
+    """A token chooser for a group of requests: it picks for all of them (the argmax) once each has the
+    logits of its next token, as generate() does for its rows; `held` releases no pick until it is cleared."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.offers: dict[str, torch.Tensor] = {}
+        self.held: set[str] = set()
+
+    def choose(self, logits: dict[str, torch.Tensor]) -> dict[str, ChosenToken]:
+        self.offers.update(logits)
+        ready = [r for r in self.request_ids if r not in self.held]
+        if not all(r in self.offers for r in ready):
+            return {}
+        return {r: ChosenToken(int(self.offers.pop(r).argmax())) for r in ready}
+
+
+def test_a_request_whose_chooser_picks_its_tokens_waits_for_the_pick_while_the_others_go_on(cold) -> None:
+    """generate()'s way through the engine: a chooser gets the logits of its requests' next tokens and picks
+    for both once both have them; the engine computes nothing more for the one that waits, and the other
+    requests keep decoding. Picking the argmax gives the engine's own greedy tokens, from the same logits."""
     params = SamplingParams(temperature=0, max_tokens=12)
-    prompt = tokens(150, 50)
-    alone = solo(cold, prompt, params).output_ids
+    short, long = tokens(30, 50), tokens(150, 52)
     engine = cold.create_engine()
-    other = engine.add_request(tokens(30, 51), SamplingParams(temperature=0, max_tokens=40))
-    picked = engine.add_request(prompt, SamplingParams(), sampled_by_caller=True)
-    ours: list[int] = []
-    for _ in range(len(alone)):
-        logits = engine.next_token_logits([picked])
-        request = engine.request(picked)
-        computed, others = request.num_computed, len(engine.request(other).output_ids)
-        engine.step()  # the caller has not picked yet: the other request decodes, this one waits
-        assert request.num_computed == computed and len(engine.request(other).output_ids) == others + 1
-        ours.append(int(logits[0].argmax()))
-        engine.append_token(picked, ours[-1])
-    assert ours == alone
-    assert engine.request(picked).finish_reason is None, "the caller, not the engine, ends its request"
-    assert engine.abort(picked).finish_reason is FinishReason.ABORT
-    with pytest.raises(ValueError, match="sampled by the engine"):
-        engine.next_token_logits([other])
-    with pytest.raises(RuntimeError, match="no logits waiting"):
-        engine.append_token(other, 1)
+    other = engine.add_request(EngineRequest(tokens(30, 51), SamplingParams(temperature=0, max_tokens=40)))
+    chooser = Lockstep()
+    first = engine.add_request(EngineRequest(short, SamplingParams(max_tokens=12), chooser=chooser))
+    second = engine.add_request(EngineRequest(long, SamplingParams(max_tokens=12), chooser=chooser))
+    chooser.request_ids = [first, second]
+    while first not in chooser.offers:
+        engine.step()
+    waiting, others = engine.request(first), len(engine.request(other).output_ids)
+    assert waiting.num_computed == len(short) and not waiting.has_new_token
+    while second not in chooser.offers and first in chooser.offers:
+        engine.step()  # the second prompt is computed, the other request decodes, the first one waits
+        assert waiting.num_computed == len(short) or second not in chooser.offers
+    assert len(engine.request(other).output_ids) > others
+    while len(engine.request(first).output_ids) < 12:
+        engine.step()
+    for request_id, prompt in ((first, short), (second, long)):
+        request = engine.request(request_id)
+        assert request.output_ids == solo(cold, prompt, params).output_ids
+        assert request.finish_reason is None, "the caller, not the engine, ends its request"
+        assert engine.abort(request_id).finish_reason is FinishReason.ABORT
+    strays = Lockstep()
+    stray = engine.add_request(EngineRequest(tokens(20, 53), SamplingParams(max_tokens=4), chooser=strays))
+    strays.request_ids = [stray, other]  # not one of its requests
+    strays.offers[other] = torch.zeros(VOCAB)
+    with pytest.raises(RuntimeError, match=f"picked a token for request {other!r}"):
+        engine.run()
 
 
-def test_a_request_resumes_the_sequence_its_slot_and_blocks_hold(cold) -> None:
-    """A continuation (generate() with past_key_values): a request resumes in the slot and blocks where an
-    earlier request of the same prompt left its state and KV, computes only the new tokens, and gets the
-    tokens of the whole sequence run from scratch."""
+def test_a_request_continues_a_computed_sequence(cold) -> None:
+    """A continuation (generate() with past_key_values): a request brings the state of its first tokens,
+    computed by an earlier request and kept in a transformers cache, computes only the new tokens, and gets
+    the tokens of the whole sequence run from scratch."""
     params = SamplingParams(temperature=0, max_tokens=10)
     engine = cold.create_engine()
-    first = engine.add_request(tokens(100, 60), SamplingParams(), sampled_by_caller=True)
-    for _ in range(5):
-        engine.append_token(first, int(engine.next_token_logits([first])[0].argmax()))
-    engine.next_token_logits([first])
+    chooser = Lockstep()
+    first = engine.add_request(EngineRequest(tokens(100, 60), SamplingParams(max_tokens=6), chooser=chooser))
+    chooser.request_ids = [first]
+    while len(engine.request(first).output_ids) < 5:
+        engine.step()
+    chooser.held.add(first)
+    engine.step()  # the fifth token is fed; no sixth is picked
     done = engine.request(first)
-    slot, blocks = engine.placement(first)
     sequence, computed = done.token_ids, done.num_computed
     assert computed == len(sequence) == 105
-    blocks = tuple(blocks[: -(-computed // engine.cache.block_size)])
-    engine.abort(first)  # without prefix caching the blocks go back untouched: nothing else runs
+    nc = cold.neuron_config
+    kept = Qwen36HybridCache(
+        cold.model.config, nc.batch_size, nc.sequence_length, nc.kv_block_size, nc.torch_dtype
+    )
+    kept.record_row(3, sequence, engine.computed_sequence(first))
+    engine.abort(first)
     follow_up = sequence + tokens(20, 61)
-    with pytest.raises(ValueError, match=f"cannot resume: {len(blocks) - 1} blocks for 105 tokens"):
-        engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks[:-1], computed))
-    resumed = engine.add_request(follow_up, params, resume=ResumePoint(slot, blocks, computed))
+    brought = kept.computed_sequence(3)
+    assert brought is not None and brought.num_computed == computed and brought.slot == 3
+    short = dataclasses.replace(brought, block_ids=brought.block_ids[:-1])
+    with pytest.raises(ValueError, match="cannot continue a computed sequence: 1 blocks for 105 tokens"):
+        engine.add_request(EngineRequest(follow_up, params, computed=short))
+    with pytest.raises(ValueError, match="prompt_logprobs asks for the computed tokens"):
+        engine.add_request(EngineRequest(follow_up, SamplingParams(prompt_logprobs=1), computed=brought))
+    with pytest.raises(ValueError, match="105 computed tokens of a 105-token prompt"):
+        engine.add_request(EngineRequest(sequence, params, computed=brought))
+    backend = engine.runner.backend = CountingBackend(engine.runner.backend)
+    resumed = engine.add_request(EngineRequest(follow_up, params, computed=brought))
     run = engine.run()[resumed]
+    assert backend.prefill_tokens == 20
     assert run.cached_prompt_tokens == computed
     assert run.output_ids == solo(cold, follow_up, params).output_ids
 
 
-def test_a_resume_is_refused_where_its_slot_or_blocks_are_taken(cold, cached) -> None:
-    """A resumed request takes its slot and blocks when it is queued: one that names a running request's
-    slot or blocks, or an engine whose blocks belong to a prefix cache, is refused and nothing is taken;
-    aborting it before it ran gives them back."""
-    engine = cold.create_engine()
-    running = engine.add_request(tokens(100, 80), SamplingParams(temperature=0, max_tokens=4))
-    engine.step()
-    slot, blocks = engine.placement(running)
-    other_slot = (slot + 1) % SETTINGS["batch_size"]
-    pool = engine.prefix_cache.pool
-    free = pool.num_free
-    prompt, params = tokens(130, 81), SamplingParams(temperature=0, max_tokens=4)
-    with pytest.raises(ValueError, match=f"slot {slot} is in use by another request"):
-        engine.add_request(prompt, params, resume=ResumePoint(slot, (), 0))
-    with pytest.raises(ValueError, match=rf"blocks \[{blocks[0]}\] are not free"):
-        engine.add_request(prompt, params, resume=ResumePoint(other_slot, (blocks[0],), 10))
-    assert pool.num_free == free and engine.stats()["running"] == 1 and not engine.scheduler.waiting
-    spare = next(b for b in range(1, pool.num_blocks) if pool.is_free(b))
-    resumed = engine.add_request(prompt, params, resume=ResumePoint(other_slot, (spare,), 10))
-    assert pool.num_free == free - 1 and not engine.scheduler.can_resume_in(other_slot)
-    with pytest.raises(ValueError, match=f"slot {other_slot} is in use"):
-        engine.add_request(prompt, params, resume=ResumePoint(other_slot, (), 0))
-    engine.abort(resumed)
-    assert pool.num_free == free and engine.scheduler.can_resume_in(other_slot)
-    with pytest.raises(ValueError, match="prefix caching on"):
-        cached.create_engine().add_request(prompt, params, resume=ResumePoint(0, (), 0))
-    with pytest.raises(ValueError, match="prompt_logprobs asks for the computed tokens"):
-        engine.add_request(prompt, SamplingParams(prompt_logprobs=1), resume=ResumePoint(other_slot, (), 0))
-
-
-def test_a_request_whose_caller_holds_its_logits_is_not_preempted(cold) -> None:
-    """Out of KV blocks, a decode preempts later requests, but not one whose caller holds the logits of its
-    next token (they would be lost): the decoding request yields instead."""
+def test_a_request_waiting_for_its_chooser_is_not_preempted(cold) -> None:
+    """Out of KV blocks, a decode preempts later requests, but not one whose chooser holds the logits of its
+    next token: the decoding request yields instead, and the waiting one goes on once it gets its pick."""
     engine = cold.create_engine(num_kv_blocks=3)  # two usable blocks of 64 positions
-    hog = engine.add_request(tokens(40, 82), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    picked = engine.add_request(tokens(30, 83), SamplingParams(max_tokens=5), sampled_by_caller=True)
-    logits = engine.next_token_logits([picked])
+    hog = engine.add_request(
+        EngineRequest(tokens(40, 82), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    )
+    chooser = Lockstep()
+    picked = engine.add_request(EngineRequest(tokens(30, 83), SamplingParams(max_tokens=5), chooser=chooser))
+    chooser.request_ids = [picked]
+    chooser.held.add(picked)
+    while picked not in chooser.offers:
+        engine.step()
     hogging = engine.request(hog)
     while hogging.num_computed < 64:
         engine.step()  # the hog decodes until it needs a second block, which the pool does not have
     engine.step()
     request = engine.request(picked)
-    assert request.awaits_token and torch.equal(request.next_token_logits, logits[0])
+    assert not request.has_new_token and request.num_preemptions == 0 and picked in chooser.offers
     assert hogging.num_preemptions > 0
-    engine.append_token(picked, int(logits[0].argmax()))
-    assert engine.next_token_logits([picked]).shape == logits.shape
+    chooser.held.clear()
+    trigger = engine.add_request(EngineRequest(tokens(5, 84), SamplingParams(max_tokens=1), chooser=chooser))
+    chooser.request_ids.append(trigger)
+    while len(request.output_ids) < 2:
+        engine.step()
+    assert request.output_ids[0] == int(
+        solo(cold, tokens(30, 83), SamplingParams(temperature=0)).output_ids[0]
+    )
 
 
 def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:
@@ -469,11 +500,11 @@ def test_bad_requests_are_refused_and_nothing_is_queued(cold) -> None:
     too_long = [1] * SETTINGS["sequence_length"]
     for prompt, message in (([], "empty prompt"), ([1, VOCAB], "not tokens"), (too_long, "sequence_length")):
         with pytest.raises(ValueError, match=message):
-            engine.add_request(prompt)
+            engine.add_request(EngineRequest(prompt))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        engine.add_request([1, 2], SamplingParams(stop=("x",)))
+        engine.add_request(EngineRequest([1, 2], SamplingParams(stop=("x",))))
     with pytest.raises(ValueError, match="reusable_prefix=3 must be between 0 and the prompt's 2 tokens"):
-        engine.add_request([1, 2], reusable_prefix=3)
+        engine.add_request(EngineRequest([1, 2], reusable_prefix=3))
     assert not engine.has_unfinished()
     for bad, message in (
         (dict(temperature=-1), "temperature"),
@@ -492,7 +523,7 @@ def test_text_deltas_and_stop_strings(checkpoint) -> None:
     model = export_eager(checkpoint[0], **SETTINGS)
     engine = model.create_engine(tokenizer=tokenizer)
     prompt = tokens(20, 60)
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24))
+    request_id = engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=24)))
     request = engine.request(request_id)
     text = ""
     while engine.has_unfinished():
@@ -500,7 +531,9 @@ def test_text_deltas_and_stop_strings(checkpoint) -> None:
     full = tokenizer.decode(request.output_ids, skip_special_tokens=True)
     assert text == full
     stop = full[len(full) // 2 : len(full) // 2 + 3]
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))
+    request_id = engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))
+    )
     text = ""
     while engine.has_unfinished():
         for output in engine.step():
@@ -617,7 +650,7 @@ def test_logit_bias_in_the_engine_steers_greedy_decoding(cold) -> None:
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     biased = solo(cold, prompt, dataclasses.replace(params, logit_bias=dict.fromkeys(allowed, 100.0)))
     engine = cold.create_engine()
-    request_id = engine.add_request(prompt, params, constraint=OnlyTokens(allowed))
+    request_id = engine.add_request(EngineRequest(prompt, params, constraint=OnlyTokens(allowed)))
     assert biased.output_ids == engine.run()[request_id].output_ids
     plain = solo(cold, prompt, params).output_ids
     banned = solo(cold, prompt, dataclasses.replace(params, logit_bias={plain[0]: -100.0})).output_ids
@@ -654,7 +687,9 @@ def test_the_loop_thread_serves_submissions_from_several_threads(cold) -> None:
     streams: dict[int, Any] = {}
     with EngineLoop(cold.create_engine()) as loop:
         threads = [
-            threading.Thread(target=lambda i=i: streams.__setitem__(i, loop.submit(prompts[i], params)))
+            threading.Thread(
+                target=lambda i=i: streams.__setitem__(i, loop.submit(EngineRequest(prompts[i], params)))
+            )
             for i in range(len(prompts))
         ]
         for thread in threads:
@@ -662,9 +697,9 @@ def test_the_loop_thread_serves_submissions_from_several_threads(cold) -> None:
         for thread in threads:
             thread.join()
         with pytest.raises(ValueError, match="not tokens"):
-            loop.submit([VOCAB], params)
+            loop.submit(EngineRequest([VOCAB], params))
         with pytest.raises(ValueError, match="logit_bias token ids"):
-            loop.submit([1], SamplingParams(logit_bias={VOCAB: 1.0}))
+            loop.submit(EngineRequest([1], SamplingParams(logit_bias={VOCAB: 1.0})))
         outputs = {i: list(stream) for i, stream in streams.items()}
         for i, prompt in enumerate(prompts):
             tokens_streamed = [t for output in outputs[i] for t in output.new_token_ids]
@@ -686,14 +721,14 @@ def test_a_failing_step_ends_the_requests_in_flight_and_the_loop_goes_on(cold) -
 
     engine.runner.backend = Failing()
     with EngineLoop(engine) as loop:
-        stream = loop.submit(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4))
+        stream = loop.submit(EngineRequest(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4)))
         with pytest.raises(RuntimeError, match="device lost"):
             list(stream)
         engine.runner.backend = backend
-        again = list(loop.submit(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4)))
+        again = list(loop.submit(EngineRequest(tokens(10, 80), SamplingParams(temperature=0, max_tokens=4))))
         assert again[-1].finished and len(again) == 4
     with pytest.raises(EngineDeadError):
-        loop.submit([1], SamplingParams())
+        loop.submit(EngineRequest([1], SamplingParams()))
 
 
 def test_async_generate_streams_and_aborts_when_left_early(cached) -> None:
@@ -707,12 +742,14 @@ def test_async_generate_streams_and_aborts_when_left_early(cached) -> None:
 
             async def whole() -> list[int]:
                 return [
-                    t async for output in async_engine.generate(prompt, params) for t in output.new_token_ids
+                    t
+                    async for output in async_engine.generate(EngineRequest(prompt, params))
+                    for t in output.new_token_ids
                 ]
 
             async def three() -> int:
                 received = 0
-                async for _ in async_engine.generate(tokens(300, 91), params):
+                async for _ in async_engine.generate(EngineRequest(tokens(300, 91), params)):
                     received += 1
                     if received == 3:
                         break  # leaving the iterator aborts the request
@@ -720,7 +757,7 @@ def test_async_generate_streams_and_aborts_when_left_early(cached) -> None:
 
             full, left = await asyncio.gather(whole(), three())
             with pytest.raises(ValueError, match="empty prompt"):
-                async for _ in async_engine.generate([], params):
+                async for _ in async_engine.generate(EngineRequest([], params)):
                     pass
             stats = await async_engine.stats()
             assert stats["aborted"] == 1 and stats["running"] == 0, stats
@@ -738,9 +775,9 @@ def test_async_generate_streams_and_aborts_when_left_early(cached) -> None:
 def test_a_request_the_pool_cannot_hold_is_refused_not_left_waiting(cold) -> None:
     engine = cold.create_engine(num_kv_blocks=9)  # 8 usable blocks of 64 tokens
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        engine.add_request(tokens(600, 100), SamplingParams(max_tokens=10))
+        engine.add_request(EngineRequest(tokens(600, 100), SamplingParams(max_tokens=10)))
     with pytest.raises(ValueError, match="lower max_tokens"):
-        engine.add_request(tokens(10, 100), SamplingParams(max_tokens=None))
+        engine.add_request(EngineRequest(tokens(10, 100), SamplingParams(max_tokens=None)))
     assert not engine.has_unfinished()
 
 
@@ -752,15 +789,17 @@ def test_a_failed_admission_evicts_nothing_from_the_prefix_cache(checkpoint) -> 
     )
     engine = model.create_engine(num_kv_blocks=13)  # 12 usable blocks of 64; a first chunk needs 4
     greedy = dict(temperature=0, max_tokens=2)
-    engine.add_request(tokens(394, 110), SamplingParams(**greedy))
+    engine.add_request(EngineRequest(tokens(394, 110), SamplingParams(**greedy)))
     engine.run()  # 6 blocks cached
-    long = engine.request(engine.add_request(tokens(520, 111), SamplingParams(temperature=0, max_tokens=100)))
+    long = engine.request(
+        engine.add_request(EngineRequest(tokens(520, 111), SamplingParams(temperature=0, max_tokens=100)))
+    )
     while long.num_computed < 520:
         engine.step()
     # The long request holds 9 blocks: 3 cached ones are left, the new prompt's first chunk needs 4.
     assert engine.prefix_cache.available_blocks() == 3
     before = engine.prefix_cache.stats()
-    waiting = engine.request(engine.add_request(tokens(300, 112), SamplingParams(**greedy)))
+    waiting = engine.request(engine.add_request(EngineRequest(tokens(300, 112), SamplingParams(**greedy))))
     engine.step()
     after = engine.prefix_cache.stats()
     assert waiting.state.value == "waiting"
@@ -783,13 +822,13 @@ def test_stop_strings_wait_for_min_tokens(checkpoint) -> None:
     assert len(stop) == 2, early
     engine = model.create_engine(tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=24, stop=(stop,), min_tokens=6)
-    request = engine.request(engine.add_request(prompt, params))
+    request = engine.request(engine.add_request(EngineRequest(prompt, params)))
     text = ""
     while engine.has_unfinished():
         text += "".join(o.text_delta for o in engine.step())
     assert len(request.output_ids) > 6 and text.startswith(early)
     request = engine.request(
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))
+        engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=24, stop=(stop,))))
     )
     engine.run()
     assert len(request.output_ids) <= 2 and request.finish_reason is FinishReason.STOP
@@ -805,10 +844,10 @@ def test_the_loop_survives_a_reader_that_fails_and_a_submit_after_shutdown_raise
         raise RuntimeError("reader gone")
 
     rid = loop.add(tokens(10, 120), params, None, broken).result()
-    survivor = list(loop.submit(tokens(12, 121), SamplingParams(temperature=0, max_tokens=5)))
+    survivor = list(loop.submit(EngineRequest(tokens(12, 121), SamplingParams(temperature=0, max_tokens=5))))
     assert survivor[-1].finished
     stats = loop.call(lambda engine: engine.stats())
     assert len(failures) == 1 and stats["aborted"] == 1 and stats["running"] == 0, (rid, stats)
     loop.shutdown()
     with pytest.raises(EngineDeadError):
-        loop.submit([1], params)
+        loop.submit(EngineRequest([1], params))

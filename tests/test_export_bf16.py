@@ -29,7 +29,7 @@ from pattern_model import (
 )
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.exporters import regions
 from optimum_qwen36.exporters.compile_cache import ENTRY_NAME
 
@@ -144,7 +144,7 @@ def test_engine_bf16_logprobs_are_the_same_alone_and_in_company(bf16) -> None:
 
     def run(indices: list[int]) -> dict[int, tuple[list[int], list[float]]]:
         engine = model.create_engine()
-        ids = {i: engine.add_request(prompts[i], params[i]) for i in indices}
+        ids = {i: engine.add_request(EngineRequest(prompts[i], params[i])) for i in indices}
         out = engine.run()
         return {i: (out[r].output_ids, out[r].output_logprobs) for i, r in ids.items()}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_checkpoint
-from helpers import StubHubRepo, left_padded_prompts
+from helpers import StubHubRepo, engine_storage, left_padded_prompts
 from test_packed_prefill import (
     assert_decode_rows_ride_along,
     assert_packed_equals_one_per_call,
@@ -25,7 +25,7 @@ from test_packed_prefill import (
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import main as cli_main
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.exporters import artifact, backends, regions
 from optimum_qwen36.exporters.backends import graphs_to_compile
 from optimum_qwen36.exporters.base import example_step_args
@@ -302,7 +302,7 @@ def test_prefix_caching_runs_on_the_same_compiled_graphs(exported, no_compilatio
         checkpoint, export=True, backend=BACKEND, compile_cache_dir=cache_dir, prefix_caching=True, **SETTINGS
     )
     assert cached.backend.name == BACKEND
-    assert cached.new_cache().key_cache.shape[1] > model.new_cache().key_cache.shape[1]
+    assert engine_storage(cached).num_blocks > engine_storage(model).num_blocks
     input_ids, mask = left_padded_prompts([100, 9], seed=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
                   output_logits=True)  # fmt: skip
@@ -403,7 +403,7 @@ def test_a_graph_refuses_a_call_outside_its_compiled_shapes(exported, no_compila
     instead of reading past its tensors; the shapes it was compiled for run."""
     _, _, _, model, _ = exported
     decode = model.backend.graphs["decode_step"]
-    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["decode_step"]
     input_ids, positions, slots, tables, *caches = args
     assert decode(*args).shape == (2, model.config.vocab_size)
     with pytest.raises(RuntimeError, match="not compiled for"):
@@ -434,17 +434,17 @@ def test_engine_runs_any_slots_on_the_compiled_graphs(exported, no_compilation) 
     model.backend.graphs = {graph: recording(graph) for graph in graphs}
     try:
         engine = model.create_engine()
-        held = [engine.request(engine.add_request(prompts[i], params[i])) for i in range(2)]
+        held = [engine.request(engine.add_request(EngineRequest(prompts[i], params[i]))) for i in range(2)]
         while len(held[0].output_ids) < 6:
             engine.step()
-        held.append(engine.request(engine.add_request(prompts[2], params[2])))
+        held.append(engine.request(engine.add_request(EngineRequest(prompts[2], params[2]))))
         engine.run()
     finally:
         model.backend.graphs = graphs
     assert [1, 0] in slots_seen and [1, PADDING_SLOT] in slots_seen, slots_seen
     for request, prompt, setting in zip(held, prompts, params, strict=True):
         alone = eager.create_engine()
-        request_id = alone.add_request(prompt, setting)
+        request_id = alone.add_request(EngineRequest(prompt, setting))
         reference = alone.run()[request_id]
         assert reference.output_ids == request.output_ids
         torch.testing.assert_close(
@@ -460,7 +460,9 @@ def test_prompt_logprobs_on_the_compiled_graphs_equal_transformers(exported, no_
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
     engine = model.create_engine()
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    request_id = engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    )
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()

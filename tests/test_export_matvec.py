@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import engine_storage
 from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
@@ -159,7 +160,7 @@ def test_bf16_decode_traces_the_native_kernel(tiny_checkpoint) -> None:
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, dtype="bfloat16"
     )
-    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["decode_step"]
     step = _MethodAsForward(model.model, "decode_step")
     mode = linears_mode("decode_step", native_bf16=True, bf16_matmul=True)
     assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
@@ -175,7 +176,7 @@ def test_float32_batched_decode_multiplies_weight_major(tiny_checkpoint) -> None
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, prefill_chunk_size=16
     )
-    args = example_step_args(model.neuron_config, model.new_cache())["decode_step"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["decode_step"]
     step = _MethodAsForward(model.model, "decode_step")
     mode = linears_mode("decode_step", native_bf16=False, bf16_matmul=True)
     assert linears_mode("prefill_chunk", native_bf16=False, bf16_matmul=True) is None
@@ -202,7 +203,7 @@ def test_one_row_decode_traces_no_linear(tiny_checkpoint) -> None:
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", batch_size=2, sequence_length=64, prefill_chunk_size=16
     )
-    args = example_step_args(model.neuron_config, model.new_cache())["decode_row"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["decode_row"]
     assert args[0].shape == (1, 1)
     step = _MethodAsForward(model.model, "decode_step")
     with torch.no_grad():
@@ -221,7 +222,7 @@ def test_bf16_prefill_without_bf16_matmul_multiplies_in_float32(tiny_checkpoint)
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="eager", sequence_length=64, prefill_chunk_size=16, dtype="bfloat16"
     )
-    args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["prefill_chunk"]
     step = _MethodAsForward(model.model, "prefill_chunk")
     assert linears_mode("prefill_chunk", native_bf16=True, bf16_matmul=True) is None
     with torch.no_grad(), linears_mode("prefill_chunk", native_bf16=False, bf16_matmul=False):

@@ -34,7 +34,7 @@ from neuron_standin import (
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36 import nki as nki_ops
 from optimum_qwen36.distributed.group import TensorParallelWorkerError
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.exporters import artifact, neuron
 
 SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
@@ -281,7 +281,10 @@ def test_speculative_decoding_runs_only_the_shapes_the_warm_up_compiled(
 
     def serve(model: NeuronQwen36ForCausalLM) -> tuple[list[list[int]], dict]:
         engine = model.create_engine()
-        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        ids = [
+            engine.add_request(EngineRequest(p, SamplingParams(max_tokens=12, temperature=0.0)))
+            for p in prompts
+        ]
         done = engine.run()
         return [done[i].output_ids for i in ids], engine.stats()["speculative"]
 

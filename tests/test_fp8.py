@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_checkpoints import BLOCK, dequantize_blocks, write_official_fp8
-from helpers import export_eager, left_padded_prompts
+from helpers import engine_storage, export_eager, left_padded_prompts
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -266,7 +266,7 @@ def test_quantization_at_export_selects_exactly_the_named_modules(
         module = name.rsplit(".", 1)[0]
         if module not in quantized:  # embeddings, lm_head, norms, conv1d, in_proj_a/b, A_log, dt_bias
             assert parameter.dtype == torch.float32, name
-    cache = model.new_cache()
+    cache = engine_storage(model)
     assert cache.recurrent_state.dtype == torch.float32 and cache.key_cache.dtype == torch.float32
     # The quantized model is exactly the reference on its dequantized weights.
     state = reference.state_dict()

@@ -97,7 +97,7 @@ def test_continuing_from_returned_cache_equals_one_shot(checkpoint) -> None:
     one_shot = model.generate(input_ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
 
     counting = CountingBackend(model.backend)
-    model.backend = counting
+    model.generation_engine().runner.backend = counting
     first = model.generate(
         input_ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True
     )
@@ -134,12 +134,12 @@ def test_continuing_rows_that_cross_a_kv_block_boundary_equals_one_shot(checkpoi
     assert torch.equal(second, one_shot)
 
 
-def test_a_continuation_that_raises_starts_its_rows_over_on_retry(
+def test_a_continuation_that_raises_leaves_its_cache_as_it_was(
     checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A continuation interrupted after a few steps has moved the rows' states past what the cache records:
-    the rows are emptied, so retrying with the same cache recomputes them and gives the one-shot tokens.
-    One interrupted before any step leaves the cache as it was."""
+    """A continuation interrupted before any step or after a few steps leaves the cache passed back as it
+    was (its rows are the caller's copy, which only a completed call updates): a retry with the same cache
+    computes only the new tokens and gives the one-shot tokens. The engine is usable after both."""
     path, _ = checkpoint
     model = export_eager(path)
     input_ids, mask = left_padded_prompts([20, 9], seed=6)
@@ -148,6 +148,7 @@ def test_a_continuation_that_raises_starts_its_rows_over_on_retry(
         input_ids, attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True
     )
     cache = first.past_key_values
+    recorded = (cache.seq_lens.clone(), cache.token_ids.clone(), cache.recurrent_state.clone())
     extended_mask = torch.cat([mask, torch.ones((2, 5), dtype=torch.long)], dim=1)
 
     class Interrupt(Exception):
@@ -165,36 +166,47 @@ def test_a_continuation_that_raises_starts_its_rows_over_on_retry(
         attention_mask=extended_mask, past_key_values=cache, max_new_tokens=15, do_sample=False
     )
     with monkeypatch.context() as patch:
-        patch.setattr("optimum_qwen36.engine.Engine.next_token_logits", interrupt_at_once)
+        patch.setattr("optimum_qwen36.engine.Engine.step", interrupt_at_once)
         with pytest.raises(Interrupt):
             model.generate(first.sequences, **continuation)
-    assert cache.seq_lens[:2].tolist() == [24, 13]
     with pytest.raises(Interrupt):
         model.generate(first.sequences, logits_processor=[interrupt], **continuation)
-    assert cache.seq_lens.tolist() == [0] * cache.batch_size
+    assert cache.seq_lens[:2].tolist() == [24, 13]
+    now = (cache.seq_lens, cache.token_ids, cache.recurrent_state)
+    assert all(torch.equal(a, b) for a, b in zip(recorded, now, strict=True))
+    counting = CountingBackend(model.backend)
+    model.generation_engine().runner.backend = counting
     assert torch.equal(model.generate(first.sequences, **continuation), one_shot)
+    assert counting.prefill_tokens == 2  # each row's last generated token
 
 
-def test_a_kept_cache_serves_the_next_call_like_a_new_one(checkpoint) -> None:
-    """A call that does not return its cache keeps it for the next call (emptied: the next rows start from
-    zero GDN states); a cache handed to the caller is never reused behind the caller's back."""
+def test_generate_runs_in_one_engine_and_a_returned_cache_is_the_callers(
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every generate() call runs in the model's one engine (no engine is built after the first call),
+    whose rows start from zero GDN states; a cache handed to the caller is its own copy, which later calls
+    never change: continuing it after other calls gives the one-shot tokens."""
     path, _ = checkpoint
     model = export_eager(path)
     long_ids, long_mask = left_padded_prompts([20, 13, 17], seed=3)
     input_ids, mask = left_padded_prompts([6, 9, 4], seed=4)
     fresh = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    model._idle_cache = None
-    model.generate(long_ids, attention_mask=long_mask, max_new_tokens=8, do_sample=False)
-    kept = model._idle_cache
-    assert kept is not None
-    again = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert torch.equal(again, fresh) and model._idle_cache is kept
+    one_shot = model.generate(input_ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    built = []
+    monkeypatch.setattr("optimum_qwen36.engine.Engine.__init__", lambda *args, **kwargs: built.append(args))
     returned = model.generate(
         input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True
     )
-    assert returned.past_key_values is kept and model._idle_cache is None
-    model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert model._idle_cache is not kept
+    model.generate(long_ids, attention_mask=long_mask, max_new_tokens=8, do_sample=False)
+    again = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(again, fresh) and torch.equal(returned.sequences, fresh)
+    extended_mask = torch.cat([mask, torch.ones((3, 8), dtype=torch.long)], dim=1)
+    continued = model.generate(
+        returned.sequences, attention_mask=extended_mask, past_key_values=returned.past_key_values,
+        max_new_tokens=12, do_sample=False,
+    )  # fmt: skip
+    assert torch.equal(continued, one_shot)
+    assert built == []
 
 
 def test_multi_turn_continuation_processes_only_the_new_message(checkpoint) -> None:
@@ -205,10 +217,10 @@ def test_multi_turn_continuation_processes_only_the_new_message(checkpoint) -> N
     follow_up, _ = left_padded_prompts([7], seed=4)
     turn_two = torch.cat([first.sequences, follow_up], dim=1)
     counting = CountingBackend(model.backend)
-    model.backend = counting
+    model.generation_engine().runner.backend = counting
     warm = model.generate(turn_two, cache=first.past_key_values, max_new_tokens=8, do_sample=False)
     assert counting.prefill_tokens == 1 + 7
-    model.backend = counting.backend
+    model.generation_engine().runner.backend = counting.backend
     cold = model.generate(turn_two, max_new_tokens=8, do_sample=False)
     assert torch.equal(warm, cold)
 

@@ -30,13 +30,14 @@ def model(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("case", list(BAD_TOKEN_IDS))
 def test_bad_token_ids_are_refused_before_the_backend_runs(model, case: str) -> None:
     ids, message = BAD_TOKEN_IDS[case]
-    counting = CountingBackend(model.backend)
-    model.backend = counting
+    engine = model.generation_engine()
+    counting = CountingBackend(engine.runner.backend)
+    engine.runner.backend = counting
     try:
         with pytest.raises(ValueError, match=message):
             model.generate(ids, max_new_tokens=2, do_sample=False)
     finally:
-        model.backend = counting.backend
+        engine.runner.backend = counting.backend
     assert counting.prefill_tokens == 0 and counting.decode_steps == 0
 
 

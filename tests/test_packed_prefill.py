@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 import torch
-from helpers import export_eager, left_padded_prompts
+from helpers import engine_storage, export_eager, left_padded_prompts
 
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.engine.runner import ModelRunner, PackedChunk
 from optimum_qwen36.nki import causal_conv1d_fn
 from optimum_qwen36.ops.conv import (
@@ -27,7 +27,7 @@ from optimum_qwen36.ops.native import load_native_ops
 
 
 def _runner(model) -> ModelRunner:
-    return ModelRunner(model.backend, model.new_cache(), model.neuron_config.prefill_chunk_size)
+    return ModelRunner(model.backend, engine_storage(model), model.neuron_config.prefill_chunk_size)
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -38,7 +38,7 @@ def assert_each_as_alone(model, together: dict, ids: list[str], prompts: list[li
     """Each request's greedy tokens are its solo run's, its log-probabilities within 1e-5."""
     for request_id, prompt in zip(ids, prompts, strict=True):
         alone = model.create_engine()
-        solo_id = alone.add_request(prompt, params)
+        solo_id = alone.add_request(EngineRequest(prompt, params))
         solo = alone.run()[solo_id]
         assert together[request_id].output_ids == solo.output_ids
         torch.testing.assert_close(
@@ -66,7 +66,7 @@ def assert_packed_equals_one_per_call(model, atol: float) -> None:
     results = []
     for packed in (True, False):
         runner = _runner(model)
-        tables = runner.cache.block_tables
+        tables = runner.cache.row_block_tables()
         runner.prefill(prefix, 0, 0, tables[0])
         chunks = [PackedChunk(tokens, start, slot, tables[slot]) for tokens, start, slot in plans]
         if packed:
@@ -79,7 +79,7 @@ def assert_packed_equals_one_per_call(model, atol: float) -> None:
     assert_close_to_largest(packed_logits, logits, atol)
     block_size = alone.key_cache.shape[2]
     for tokens, start, slot in plans:
-        blocks = alone.block_tables[slot, : -(-(start + len(tokens)) // block_size)]
+        blocks = alone.row_block_tables()[slot, : -(-(start + len(tokens)) // block_size)]
         for cache_tensor in ("key_cache", "value_cache"):
             got = getattr(packed, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
             want = getattr(alone, cache_tensor)[:, blocks].flatten(1, 2)[:, : start + len(tokens)]
@@ -100,7 +100,7 @@ def assert_decode_rows_ride_along(model, atol: float) -> None:
     results = []
     for packed in (True, False):
         runner = _runner(model)
-        tables = runner.cache.block_tables
+        tables = runner.cache.row_block_tables()
         for slot, prompt in prompts.items():
             runner.prefill(prompt, 0, slot, tables[slot])
         decode_rows = [PackedChunk(fed[slot], 5, slot, tables[slot]) for slot in prompts]
@@ -134,7 +134,7 @@ def assert_snapshots_equal_chunks_ending_there(model, atol: float) -> None:
     cuts = [5, 7]
     runner = _runner(model)
     assert runner.cache.snapshot_slots == len(cuts) == model.backend.prefill_snapshots
-    tables = runner.cache.block_tables
+    tables = runner.cache.row_block_tables()
     runner.prefill(prefix, 0, 0, tables[0])
     chunks = [PackedChunk(continued, 3, 0, tables[0], cuts), PackedChunk(other, 0, 1, tables[1])]
     packed_logits = runner.prefill_packed(chunks)
@@ -175,7 +175,7 @@ def test_packed_prefill_refuses_what_one_call_cannot_hold(tiny_checkpoint) -> No
     checkpoint, _ = tiny_checkpoint()
     model = export_eager(checkpoint, batch_size=2, sequence_length=128, prefill_chunk_size=16)
     runner = _runner(model)
-    table = runner.cache.block_tables[0]
+    table = runner.cache.row_block_tables()[0]
     # A chunk of 16 tokens and one per batch row (decode rows riding along): 18 at most.
     too_many = [PackedChunk(_prompt(10, 1), 0, 0, table), PackedChunk(_prompt(9, 2), 0, 1, table)]
     with pytest.raises(ValueError, match=r"1\.\.18 tokens in non-empty chunks"):
@@ -201,7 +201,7 @@ def test_engine_packs_the_chunks_of_a_step_and_keeps_each_requests_tokens(tiny_c
     engine = model.create_engine()
     model.backend.prefill_chunk = counting
     try:
-        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        ids = [engine.add_request(EngineRequest(prompt, params)) for prompt in prompts]
         together = engine.run()
     finally:
         del model.backend.prefill_chunk
@@ -232,11 +232,11 @@ def test_a_mixed_step_is_one_packed_prefill_call_holding_the_decode_rows(tiny_ch
     engine = model.create_engine()
     backend.prefill_chunk, backend.decode_step = counting_prefill, counting_decode
     try:
-        first = [engine.add_request(prompt, params) for prompt in prompts[:2]]
+        first = [engine.add_request(EngineRequest(prompt, params)) for prompt in prompts[:2]]
         engine.step()
         engine.step()
         calls.clear()
-        late = engine.add_request(prompts[2], params)  # 40 tokens: chunks of 32 and 8
+        late = engine.add_request(EngineRequest(prompts[2], params))  # 40 tokens: chunks of 32 and 8
         engine.step()
         engine.step()
         assert calls == [("prefill", 3), ("prefill", 3)], calls

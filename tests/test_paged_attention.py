@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import needs_bf16_kernels
+from helpers import engine_storage, needs_bf16_kernels
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
@@ -179,7 +179,7 @@ def test_cpu_graphs_call_the_op_and_the_model_keeps_its_twin(tiny_checkpoint) ->
     attention = [m for m in model.model.modules() if isinstance(m, Qwen36Attention)]
     assert attention and all(m.paged_attention is paged_attention_torch for m in attention)
 
-    args = example_step_args(model.neuron_config, model.new_cache())["prefill_chunk"]
+    args = example_step_args(model.neuron_config, engine_storage(model))["prefill_chunk"]
     model.model.set_kernels(
         paged_attention_native,
         paged_attention_varlen_native,

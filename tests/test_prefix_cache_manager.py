@@ -161,22 +161,6 @@ def test_block_pool_refcounts_and_errors():
         BlockPool(1)
 
 
-def test_block_pool_claims_named_blocks_all_or_none():
-    pool = BlockPool(6)
-    held = pool.allocate()
-    pool.claim([4, 2])
-    assert pool.ref_count(4) == pool.ref_count(2) == 1 and not pool.is_free(4)
-    assert [pool.allocate(), pool.allocate(), pool.allocate()] == [3, 5, None]
-    pool.decref(3)
-    pool.free(3)
-    for blocks in ([3, held], [3, 0], [3, 6]):
-        with pytest.raises(RuntimeError, match=r"is held, or not one of the pool's 1\.\.5"):
-            pool.claim(blocks)
-    with pytest.raises(ValueError, match="listed twice"):
-        pool.claim([3, 3])
-    assert pool.is_free(3) and pool.num_free == 1  # a refused claim takes nothing
-
-
 def test_config_validation():
     with pytest.raises(ValueError, match="granularity"):
         PrefixCacheConfig(budget_bytes=1, granularity=96)

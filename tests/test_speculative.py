@@ -26,11 +26,11 @@ import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
 from fp8_checkpoints import write_official_fp8
-from helpers import after_drafting, export_eager, recording_drafts
+from helpers import after_drafting, engine_storage, export_eager, recording_drafts
 from safetensors.torch import load_file, save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.engine.sampling import SamplingRow, filter_logits, request_generator, verify_drafts
 from optimum_qwen36.exporters.compile_cache import compile_key
 from optimum_qwen36.network.quantization import Fp8Linear
@@ -75,7 +75,7 @@ def run_engine(model, requests: list[tuple[list[int], dict[str, Any]]], **engine
         settings = dict(settings)
         constraint = settings.pop("constraint", None)
         params = SamplingParams(**{"temperature": 0, "logprobs": 3, **settings})
-        ids.append(engine.add_request(prompt, params, constraint=constraint))
+        ids.append(engine.add_request(EngineRequest(prompt, params, constraint=constraint)))
     done = engine.run()
     return [done[i] for i in ids], engine
 
@@ -133,8 +133,8 @@ def test_verify_step_states_equal_one_token_decode_steps(checkpoint) -> None:
     """The verify step leaves the slot's state alone and writes, for each position t, the state t + 1 decode
     steps reach (conv and recurrent state within float32 rounding; the logits of the same tokens)."""
     model = export_eager(checkpoint, num_speculative_tokens=3, **SETTINGS)
-    cache = model.new_cache()
-    runner_args = dict(block_tables=cache.block_tables[:2], slots=torch.tensor([0, 1]))
+    cache = engine_storage(model)
+    runner_args = dict(block_tables=cache.row_block_tables()[:2], slots=torch.tensor([0, 1]))
     backend = model.backend
     prompt = [tokens(70, 11), tokens(9, 12)]
     for row, ids in enumerate(prompt):
@@ -144,7 +144,7 @@ def test_verify_step_states_equal_one_token_decode_steps(checkpoint) -> None:
             chunk[0, : len(part)] = torch.tensor(part)
             backend.prefill_chunk(
                 chunk, torch.tensor(start), torch.tensor(len(part)), torch.tensor(row),
-                cache.block_tables[row], *cache.step_tensors(),
+                cache.row_block_tables()[row], *cache.step_tensors(),
             )  # fmt: skip
     fed = torch.tensor([tokens(4, 13), tokens(4, 14)])
     starts = torch.tensor([len(p) for p in prompt])
@@ -207,19 +207,27 @@ def test_prefix_caching_warm_equals_cold_across_turns(checkpoint, plain, oracle_
     (plain_first,), _ = run_engine(plain, [first])
     oracle_drafts[tuple(first[0])] = plain_first.output_ids
     engine = model.create_engine()
-    (turn1,) = [engine.add_request(first[0], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))]
+    (turn1,) = [
+        engine.add_request(
+            EngineRequest(first[0], SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
+        )
+    ]
     answer = engine.run()[turn1].output_ids
     assert answer == plain_first.output_ids
     second_prompt = first[0] + answer + tokens(20, 22)
     second = (second_prompt, dict(max_tokens=30, ignore_eos=True))
     (plain_second,), _ = run_engine(plain, [second])
     oracle_drafts[tuple(second_prompt)] = plain_second.output_ids
-    warm = engine.add_request(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    warm = engine.add_request(
+        EngineRequest(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    )
     warm_request = engine.run()[warm]
     # The first turn's decode-time checkpoints (every 64 tokens) reach into its answer.
     assert warm_request.cached_prompt_tokens >= 192
     engine.prefix_cache.clear()
-    cold = engine.add_request(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    cold = engine.add_request(
+        EngineRequest(second_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    )
     cold_request = engine.run()[cold]
     assert cold_request.cached_prompt_tokens == 0
     assert warm_request.output_ids == cold_request.output_ids == plain_second.output_ids
@@ -296,7 +304,9 @@ def test_engine_sampling_distribution_equals_plain_sampling(tmp_path) -> None:
         model = export_eager(directory, num_speculative_tokens=k, **settings)
         engine = model.create_engine()
         ids = [
-            engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s))
+            engine.add_request(
+                EngineRequest(prompt, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s))
+            )
             for s in range(600)
         ]
         done = engine.run()

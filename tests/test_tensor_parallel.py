@@ -27,7 +27,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.distributed.group import TensorParallelWorkerError
-from optimum_qwen36.engine import SamplingParams
+from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.exporters.artifact import MANIFEST_NAME
 from optimum_qwen36.network.model import Qwen36ForCausalLM
 from optimum_qwen36.network.quantization import Fp8Quantization, fp8_module_names
@@ -212,7 +212,9 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
         outputs.append(model.generate(input_ids, attention_mask=attention_mask, **kwargs))
         engine = model.create_engine()
         ids = [
-            engine.add_request([3, 1, 4, 1, 5] * n, SamplingParams(max_tokens=12, temperature=0.0))
+            engine.add_request(
+                EngineRequest([3, 1, 4, 1, 5] * n, SamplingParams(max_tokens=12, temperature=0.0))
+            )
             for n in (1, 7)
         ]
         done = engine.run()
@@ -270,8 +272,13 @@ def test_engine_matches_one_process(one, two) -> None:
     results = []
     for model in (one, two):
         engine = model.create_engine()
-        ids = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0)) for p in prompts]
-        sampled = engine.add_request(prompts[0], SamplingParams(max_tokens=10, temperature=1.0))
+        ids = [
+            engine.add_request(EngineRequest(p, SamplingParams(max_tokens=10, temperature=0.0)))
+            for p in prompts
+        ]
+        sampled = engine.add_request(
+            EngineRequest(prompts[0], SamplingParams(max_tokens=10, temperature=1.0))
+        )
         done = engine.run()
         results.append([done[i].output_ids for i in ids])
         assert len(done[sampled].output_ids) == 10  # unseeded: each rank was given the driver's seed
@@ -292,10 +299,10 @@ def test_checkpoints_snapshotted_inside_a_chunk_match_one_process(checkpoint: Pa
             prefill_chunk_size=256,
         )  # fmt: skip
         engine = model.create_engine()
-        engine.add_request(prompt, params, reusable_prefix=190)
+        engine.add_request(EngineRequest(prompt, params, reusable_prefix=190))
         engine.run()
         assert engine.stats()["prefix_cache"]["checkpoints_stored"] == 2
-        request_id = engine.add_request(follow_up, params)
+        request_id = engine.add_request(EngineRequest(follow_up, params))
         done = engine.run()[request_id]
         assert done.cached_prompt_tokens == 128
         outputs.append(done.output_ids)
@@ -324,7 +331,7 @@ def test_split_kv_heads_tied_embeddings_and_an_engine_outliving_its_model(tmp_pa
     for degree in (1, 2):
         engine = export_eager(directory, tp_degree=degree, **SETTINGS).create_engine()
         gc.collect()  # only the engine refers to the model now
-        request_id = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        request_id = engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=8, temperature=0.0)))
         outputs.append(engine.run()[request_id].output_ids)
     assert outputs[0] == outputs[1]
 
@@ -379,7 +386,10 @@ def test_speculative_decoding_matches_one_process(checkpoint: Path) -> None:
     for degree in (1, 2):
         model = export_eager(checkpoint, tp_degree=degree, num_speculative_tokens=2, **SETTINGS)
         engine = model.create_engine()
-        ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts]
+        ids = [
+            engine.add_request(EngineRequest(p, SamplingParams(max_tokens=12, temperature=0.0)))
+            for p in prompts
+        ]
         done = engine.run()
         outputs.append([done[i].output_ids for i in ids])
     assert outputs[0] == outputs[1]
@@ -432,14 +442,16 @@ def test_diverged_ranks_end_the_model_with_a_clear_error(checkpoint: Path) -> No
     engine = export_eager(checkpoint, tp_degree=2, **SETTINGS).create_engine()
     engine._engine.scheduler._free_slots.pop()  # rank 0's engine only
     for length in (40, 20, 30):
-        engine.add_request(list(range(1, length)), SamplingParams(max_tokens=4, temperature=0.0))
+        engine.add_request(
+            EngineRequest(list(range(1, length)), SamplingParams(max_tokens=4, temperature=0.0))
+        )
     start = time.monotonic()
     diverged = r"ranks diverged \(both at prefill_chunk .* with different inputs"
     with pytest.raises(TensorParallelWorkerError, match=diverged):
         engine.run()
     assert time.monotonic() - start < 5
     with pytest.raises(TensorParallelWorkerError, match="cannot run any more"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+        engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=2)))
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import io
 import itertools
@@ -121,8 +122,8 @@ class Driver(Replicas):
         digest: Digest | None = None,
         register: bool = False,
     ) -> Any:
-        """`getattr(target, method)(*args, **kwargs, **local_kwargs)` here, and on every worker its own
-        `target` with the same arguments (`local_kwargs` stay here: a streamer, say)."""
+        """`target.method(*args, **kwargs, **local_kwargs)` here, and on every worker its own `target` with
+        the same arguments (`local_kwargs` stay here: a streamer, say)."""
         kwargs = kwargs or {}
         with self.lock:
             if self.group.dead is not None:
@@ -147,7 +148,7 @@ class Driver(Replicas):
                 for rank in range(1, self.group.degree):
                     self.group.post_bytes(f"call/{number}/{rank}", payload)
                 self.lockstep.begin(number)
-                result = getattr(target, method)(*args, **kwargs, **(local_kwargs or {}))
+                result = run_here(target, method, args, {**kwargs, **(local_kwargs or {})})
                 self.lockstep.end()
             except TensorParallelWorkerError:
                 raise
@@ -288,7 +289,7 @@ class Worker(Replicas):
                     self.objects.pop(replica, None)
                 torch.set_rng_state(call.rng_state)
                 self.group.bind()
-                result = getattr(self.objects[call.target], call.method)(*call.args, **call.kwargs)
+                result = run_here(self.objects[call.target], call.method, call.args, call.kwargs)
                 self.lockstep.end()
             except BaseException as error:
                 self.group.post(f"done/{number}/{rank}", (False, f"{type(error).__name__}: {error}"))
@@ -305,6 +306,39 @@ class Worker(Replicas):
             if call.register:
                 self.register(result)
             del result  # a gathered state dict, say: not kept until the next call
+
+
+def on_every_rank(
+    *, digest: Digest | None = None, local: tuple[str, ...] = (), register: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A method of a replicated object (one with a `tensor_parallel` attribute: its `Replicas`, or None)
+    that runs on every rank: called on the driver, it is posted to the workers and run on each rank's own
+    object (`Driver.call`, with `digest`, the keyword arguments named in `local` kept on the driver, and
+    the result registered when `register`); anywhere else it runs as written."""
+
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            replicas = self.tensor_parallel
+            if not isinstance(replicas, Driver):
+                return method(self, *args, **kwargs)
+            kept = {name: kwargs.pop(name) for name in local if name in kwargs}
+            return replicas.call(
+                self, method.__name__, args, kwargs, local_kwargs=kept, digest=digest, register=register
+            )
+
+        return dispatch
+
+    return decorate
+
+
+def run_here(target: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`target.method(*args, **kwargs)` on this rank alone: an `on_every_rank` method runs its own body."""
+    function = getattr(type(target), method, None)
+    body = getattr(function, "__wrapped__", None)
+    if body is not None:
+        return body(target, *args, **kwargs)
+    return getattr(target, method)(*args, **kwargs)
 
 
 def serve_driver(model: Any, group: TensorParallelGroup) -> None:

@@ -4,24 +4,36 @@ with prefix caching, per-request sampling, and the only caller of a model's step
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
 from .loop import AsyncEngine, EngineDeadError, EngineLoop, RequestStream
-from .request import FinishReason, Request, RequestOutput, RequestState, ResumePoint
+from .request import (
+    ChosenToken,
+    ComputedSequence,
+    EngineRequest,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestState,
+    TokenChooser,
+)
 from .sampling import SamplingParams, TokenConstraint
 from .scheduler import Scheduler, StepPlan
 
 __all__ = [
     "AsyncEngine",
+    "ChosenToken",
+    "ComputedSequence",
     "Engine",
     "EngineDeadError",
     "EngineLoop",
+    "EngineRequest",
     "FinishReason",
     "IncrementalDetokenizer",
     "Request",
     "RequestOutput",
     "RequestState",
     "RequestStream",
-    "ResumePoint",
     "SamplingParams",
     "Scheduler",
     "StepPlan",
+    "TokenChooser",
     "TokenConstraint",
 ]

@@ -16,6 +16,12 @@ from the GDN state after its last kept token (the verify step leaves the slots a
 after each position apart), and KV written past it is overwritten before it is ever read. The MTP layer
 (speculative.py) then drafts again.
 
+A request that names a `TokenChooser` has its tokens picked there instead of by the sampler: the engine hands
+the chooser the request's next-token logits and computes nothing more for it until the pick comes
+(generate() runs transformers' processors, stopping criteria and streamer over all of its rows that way).
+A request may also bring a `ComputedSequence`: the state of its first tokens, computed elsewhere, copied
+into its slot and blocks when it is admitted.
+
 The GDN state of a request lives in its slot of the cache from admission to finish; its KV blocks come from
 the prefix cache's pool. Prefix caching is a policy the scheduler consults: lookup at admission (the engine
 restores the hit's GDN checkpoint into the slot), checkpoints stored where prefill chunks end or, where the
@@ -35,12 +41,20 @@ from typing import Any
 import torch
 
 from ..exporters.base import StepBackend
-from ..network.cache import Qwen36HybridCache
+from ..network.cache import CacheStorage
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
-from .request import FinishReason, Request, RequestOutput, RequestState, ResumePoint
+from .request import (
+    ComputedSequence,
+    EngineRequest,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestState,
+    TokenChooser,
+)
 from .runner import ModelRunner, PackedChunk
-from .sampling import SamplingParams, SamplingRow, TokenConstraint, VerifiedToken, sample, verify_drafts
+from .sampling import SamplingParams, SamplingRow, VerifiedToken, sample, verify_drafts
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .speculative import CatchUp, MTPDrafter
 
@@ -58,7 +72,7 @@ class Engine:
     def __init__(
         self,
         backend: StepBackend,
-        cache: Qwen36HybridCache,
+        cache: CacheStorage,
         prefix_cache: PrefixCache,
         *,
         prefill_chunk_size: int,
@@ -66,7 +80,6 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         vocab_size: int,
         tokenizer: Any = None,
-        speculative: bool = True,
     ) -> None:
         self.runner = ModelRunner(backend, cache, prefill_chunk_size)
         self.cache = cache
@@ -75,8 +88,7 @@ class Engine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        # `speculative=False`: one token per step even where the model has an MTP layer (generate()).
-        self.num_speculative_tokens = cache.num_speculative_tokens if speculative else 0
+        self.num_speculative_tokens = cache.num_speculative_tokens
         decode_tokens = self.max_num_seqs * (1 + self.num_speculative_tokens)
         # Every running request decodes (and verifies its drafts) each step; one prefill chunk fills the rest
         # by default.
@@ -101,7 +113,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0  # steps that computed tokens
 
-    def _prefill_snapshots(self, backend: StepBackend, cache: Qwen36HybridCache) -> int:
+    def _prefill_snapshots(self, backend: StepBackend, cache: CacheStorage) -> int:
         """The checkpoint states a step's prefill can snapshot inside its chunks: the backend's, where its
         chunks share packed calls (not with MTP: `_packable`) and the cache has the slots."""
         if not backend.packs_prefill or self.num_speculative_tokens:
@@ -109,33 +121,14 @@ class Engine:
         return min(backend.prefill_snapshots, cache.snapshot_slots)
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        constraint: TokenConstraint | None = None,
-        reusable_prefix: int | None = None,
-        sampled_by_caller: bool = False,
-        resume: ResumePoint | None = None,
-    ) -> str:
-        """Queue a prompt (token ids); returns its request id. `constraint` restricts which tokens it may
-        produce (structured output). `reusable_prefix`: how many leading prompt tokens later requests are
-        expected to share (a chat's history without its generation prompt, which the next turn renders
-        differently), so that the prefix cache keeps a GDN state checkpoint there.
-
-        `sampled_by_caller`: the caller picks every token (`next_token_logits`, then `append_token`), and
-        ends the request (`abort`); of `params` only max_tokens counts (the longest it may grow, which the
-        block pool must hold). `resume`: the prompt's first tokens are already computed in a slot and blocks
-        of this engine's cache, left there by an earlier request whose tokens they are, with nothing run in
-        that slot or those blocks since (generate()'s continuation, on an engine of its own); its slot and
-        blocks are taken at once. Bad input raises ValueError, and nothing is queued."""
-        params = params or SamplingParams()
+    def add_request(self, request: EngineRequest) -> str:
+        """Queue a request; returns its id. Bad input raises ValueError, and nothing is queued."""
+        params = request.params
         if params.n != 1:
             raise ValueError(
                 f"n={params.n}: the engine generates one sequence per request; submit n requests."
             )
-        ids = [int(t) for t in prompt_ids]
+        ids = list(request.prompt_ids)
         checked = (
             ("prompt token ids", ids),
             ("stop_token_ids", params.stop_token_ids),
@@ -153,6 +146,7 @@ class Engine:
                 f"prompt_logprobs needs every prompt position's logits, which the {self.runner.backend.name} "
                 "backend does not return: use the eager, cpu or cuda backend, or leave prompt_logprobs unset."
             )
+        reusable_prefix = request.reusable_prefix
         if reusable_prefix is not None and not 0 <= reusable_prefix <= len(ids):
             raise ValueError(
                 f"reusable_prefix={reusable_prefix} must be between 0 and the prompt's {len(ids)} tokens."
@@ -161,59 +155,49 @@ class Engine:
             raise ValueError(
                 "stop strings need a tokenizer: create the engine with one, or use stop_token_ids."
             )
-        if sampled_by_caller and self.drafter is not None:
-            raise ValueError(
-                "a caller-sampled request decodes one token per step: create the engine with "
-                "speculative=False."
-            )
-        if resume is not None:
-            self._check_resume(resume, len(ids), params)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request.computed is not None:
+            self._check_computed(request.computed, len(ids), params)
+        request_id = request.request_id if request.request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        request = Request(
+        running = Request(
             request_id,
             ids,
             params,
             eos_token_ids=self.eos_token_ids,
-            constraint=constraint,
+            constraint=request.constraint,
             reusable_prefix=reusable_prefix,
-            resume=resume,
-            sampled_by_caller=sampled_by_caller,
+            chooser=request.chooser,
+            computed=request.computed,
         )
-        self.scheduler.add(request)
-        self._requests[request_id] = request
+        self.scheduler.add(running)
+        self._requests[request_id] = running
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request_id
 
-    def _check_resume(self, resume: ResumePoint, num_tokens: int, params: SamplingParams) -> None:
-        """What can be checked of a resume point: the slot and blocks are free and fit its tokens, and
-        nothing the resumed tokens lack is needed (prefix-cache keys, the MTP layer's KV, prompt
+    def _check_computed(self, computed: ComputedSequence, num_tokens: int, params: SamplingParams) -> None:
+        """What can be checked of a computed sequence a request brings: it fits the request's tokens, its
+        storage has the shapes of this engine's, and nothing its state lacks is needed (prompt
         log-probabilities)."""
-        block_size = self.cache.block_size
+        source, storage = computed.storage, self.cache
         problems = []
-        if self.prefix_cache.caching:
-            problems.append("the engine has prefix caching on, and its blocks belong to the prefix cache")
-        if self.drafter is not None:
-            problems.append("the engine drafts with the MTP layer, whose KV the computed tokens lack")
         if params.prompt_logprobs is not None:
             problems.append("prompt_logprobs asks for the computed tokens' log-probabilities")
-        if not 0 <= resume.slot < self.max_num_seqs:
-            problems.append(f"slot {resume.slot} is not one of the cache's {self.max_num_seqs}")
-        elif not self.scheduler.can_resume_in(resume.slot):
-            problems.append(f"slot {resume.slot} is in use by another request")
-        if not 0 <= resume.num_computed < num_tokens:
-            problems.append(f"{resume.num_computed} computed tokens of a {num_tokens}-token prompt")
-        if len(resume.block_ids) != -(-resume.num_computed // block_size):
-            problems.append(f"{len(resume.block_ids)} blocks for {resume.num_computed} tokens")
-        if len(set(resume.block_ids)) != len(resume.block_ids):
-            problems.append(f"a block is listed twice in {list(resume.block_ids)}")
-        held = [b for b in resume.block_ids if not self.prefix_cache.pool.is_free(b)]
-        if held:
-            problems.append(f"blocks {held} are not free (another request holds them, or they do not exist)")
+        if not 0 < computed.num_computed < num_tokens:
+            problems.append(f"{computed.num_computed} computed tokens of a {num_tokens}-token prompt")
+        if len(computed.block_ids) != -(-computed.num_computed // storage.block_size):
+            problems.append(f"{len(computed.block_ids)} blocks for {computed.num_computed} tokens")
+        shapes = [
+            (t.shape[2:], t.dtype) for t in (storage.key_cache, storage.conv_state, storage.recurrent_state)
+        ]
+        theirs = [
+            (t.shape[2:], t.dtype) for t in (source.key_cache, source.conv_state, source.recurrent_state)
+        ]
+        if shapes != theirs or source.block_size != storage.block_size:
+            problems.append("its storage holds KV blocks or GDN states of other shapes than this engine's")
         if problems:
-            raise ValueError("cannot resume: " + "; ".join(problems) + ".")
+            raise ValueError("cannot continue a computed sequence: " + "; ".join(problems) + ".")
 
     def abort(self, request_id: str, after_error: bool = False) -> RequestOutput | None:
         """Stop a request now: its slot and blocks are freed. Returns its final output (None if unknown).
@@ -246,44 +230,14 @@ class Engine:
             **({"speculative": self.speculative_stats()} if self.drafter else {}),
         }
 
-    # ------------------------------------------------------------------ caller-sampled requests
-    def next_token_logits(self, request_ids: Sequence[str]) -> torch.Tensor:
-        """Step until each of these caller-sampled requests has the logits of its next token (prefilling
-        its prompt, or feeding the token appended last); returns them, [len(request_ids), vocab]. The outputs
-        of engine-sampled requests that these steps produce are not returned: beside such requests, drive
-        the engine with `step()` and read `request(id).next_token_logits`."""
-        requests = [self._requests[request_id] for request_id in request_ids]
-        for request in requests:
-            if not request.sampled_by_caller:
-                raise ValueError(f"request {request.request_id!r} is sampled by the engine, not its caller")
-            if request.num_tokens >= self.cache.sequence_length and not request.awaits_token:
-                raise ValueError(
-                    f"request {request.request_id!r} holds {request.num_tokens} tokens: the compiled "
-                    f"sequence_length={self.cache.sequence_length} leaves no room for another."
-                )
-        while not all(request.awaits_token for request in requests):
-            steps = self.num_steps
-            self.step()
-            if self.num_steps == steps:
-                raise RuntimeError("the scheduler planned nothing while requests wait for their logits")
-        return torch.stack([request.next_token_logits for request in requests])
-
-    def append_token(self, request_id: str, token: int, padding: bool = False) -> None:
-        """The caller's pick for a request's next token (after `next_token_logits`). `padding`: the caller
-        has ended the request but keeps it in step (generate()'s finished rows): from this token on, nothing
-        it computes is kept by the prefix cache."""
+    def computed_sequence(self, request_id: str) -> ComputedSequence:
+        """Where a running request's computed tokens are in this engine's storage (its slot and blocks, valid
+        until the request ends or the engine runs another step)."""
         request = self._requests[request_id]
-        if not request.awaits_token:
-            raise RuntimeError(f"request {request.request_id!r} has no logits waiting for a token")
-        if padding and request.padding_from is None:
-            request.padding_from = request.num_tokens
-        request.next_token_logits = None
-        self._append(request, [VerifiedToken(int(token), math.nan, None)])
-
-    def placement(self, request_id: str) -> tuple[int, list[int]]:
-        """A running request's GDN slot and KV block table."""
-        request = self._requests[request_id]
-        return self.scheduler.slot_of(request), list(self.scheduler.block_table(request))
+        blocks = self.scheduler.block_table(request)[: -(-request.num_computed // self.cache.block_size)]
+        return ComputedSequence(
+            self.cache, self.scheduler.slot_of(request), tuple(blocks), request.num_computed
+        )
 
     def speculative_stats(self) -> dict[str, Any]:
         """MTP acceptance: drafts verified and accepted at each draft position, and their ratio."""
@@ -310,8 +264,10 @@ class Engine:
         packable = [c for c in plan.prefills if self._packable(c)]
         riding = self._riding_decodes(plan) if packable else []
         if plan.decodes and self.drafter is not None:
-            verified, verified_kept = self._verify(plan)
+            verified, verified_kept, verified_rows = self._verify(plan)
             kept += verified_kept
+            rows += [request for request, _ in verified_rows]
+            logits += [row_logits[None] for _, row_logits in verified_rows]
         elif plan.decodes and not riding:
             logits.append(self._decode(plan.decodes))
             rows += plan.decodes
@@ -330,12 +286,9 @@ class Engine:
                     logits.append(pack_logits[i : i + 1])
                     rows.append(chunk.request)
         every_logits = torch.cat(logits) if rows else None
-        if any(request.sampled_by_caller for request in rows):
-            for i, request in enumerate(rows):
-                if request.sampled_by_caller:
-                    request.next_token_logits = every_logits[i]
-                    request.state = RequestState.DECODING
-            engine_rows = [i for i, request in enumerate(rows) if not request.sampled_by_caller]
+        if any(request.chooser is not None for request in rows):
+            kept += self._chosen(rows, every_logits)
+            engine_rows = [i for i, request in enumerate(rows) if request.chooser is None]
             every_logits, rows = every_logits[engine_rows], [rows[i] for i in engine_rows]
         if rows:
             sampled = sample(every_logits, [self._sampling_row(r) for r in rows])
@@ -352,7 +305,9 @@ class Engine:
             if output.finish_reason is not None:
                 finished.append((request, output.finish_reason))
         if verified is not None:
-            self._keep_verified(verified, {o.request_id: len(o.new_token_ids) for o in outputs})
+            # A request its chooser picks for keeps the one token it fed, whenever the pick comes.
+            fed = {r.request_id: 1 for r in verified.requests if r.chooser is not None}
+            self._keep_verified(verified, fed | {o.request_id: len(o.new_token_ids) for o in outputs})
         if self.drafter is not None:
             self._draft(verified, chunk_hidden, {request.request_id for request, _ in finished})
         # Last: finishing releases the request's blocks, which the steps above still wrote.
@@ -369,16 +324,44 @@ class Engine:
             self.step()
         return requests
 
+    def _chosen(self, rows: list[Request], logits: torch.Tensor) -> list[tuple[Request, list[VerifiedToken]]]:
+        """Hand each chooser the next-token logits of its rows among `rows`; returns the tokens the choosers
+        pick (for these rows or rows offered earlier)."""
+        offers: dict[int, tuple[TokenChooser, dict[str, torch.Tensor]]] = {}
+        for request, row_logits in zip(rows, logits, strict=True):
+            if request.chooser is not None:
+                request.state = RequestState.DECODING
+                offers.setdefault(id(request.chooser), (request.chooser, {}))[1][request.request_id] = (
+                    row_logits
+                )
+        kept = []
+        for chooser, offered in offers.values():
+            for request_id, choice in chooser.choose(offered).items():
+                request = self._requests.get(request_id)
+                if request is None or request.chooser is not chooser or request.has_new_token:
+                    raise RuntimeError(
+                        f"a token chooser picked a token for request {request_id!r}, which "
+                        "is not one of its requests waiting for a token"
+                    )
+                if choice.filler and request.filler_from is None:
+                    request.filler_from = request.num_tokens
+                kept.append((request, [VerifiedToken(int(choice.token), math.nan, None)]))
+        return kept
+
     # ------------------------------------------------------------------ execution
     def _start(self, request: Request) -> None:
-        """A request enters its slot: the prefix hit's GDN checkpoint, or a zero state."""
+        """A request enters its slot: the computed sequence it brings, the prefix hit's GDN checkpoint, or a
+        zero state."""
         slot = self.scheduler.slot_of(request)
         seq = self.scheduler.sequence_of(request)
-        if seq.checkpoint is not None:
+        computed = request.computed
+        if computed is not None:
+            blocks = seq.block_ids[: len(computed.block_ids)]
+            self.cache.copy_sequence(computed.storage, computed.slot, computed.block_ids, slot, blocks)
+        elif seq.checkpoint is not None:
             self.prefix_cache.restore(seq, *self.runner.slot_state(slot))
-        elif seq.cached_tokens == 0:
+        else:
             self.runner.reset_slot(slot)
-        # else it resumes a sequence whose state its slot already holds
 
     def _table(self, request: Request) -> torch.Tensor:
         blocks = self.scheduler.block_table(request)
@@ -477,9 +460,12 @@ class Engine:
                 entry = dict(zip(ids[j].tolist(), values[j].tolist(), strict=True))
                 request.prompt_top_logprobs[start + 1 + j] = entry
 
-    def _verify(self, plan: StepPlan) -> tuple[VerifyStep, list[tuple[Request, list[VerifiedToken]]]]:
+    def _verify(
+        self, plan: StepPlan
+    ) -> tuple[VerifyStep, list[tuple[Request, list[VerifiedToken]]], list[tuple[Request, torch.Tensor]]]:
         """One verify call over the decoding requests: each feeds its last token and its drafts. Returns the
-        step, and the tokens each request keeps."""
+        step, the tokens each request the engine samples for keeps, and the next-token logits of the
+        requests whose chooser picks their tokens."""
         requests = plan.decodes
         assert self.drafter is not None
         self.drafter.extend(requests, plan.num_drafts)
@@ -495,15 +481,18 @@ class Engine:
             torch.tensor([self.scheduler.slot_of(request) for request in requests]),
             torch.stack([self._table(request) for request in requests]),
         )
-        kept = []
+        kept, chosen = [], []
         for i, request in enumerate(requests):
+            if request.chooser is not None:
+                chosen.append((request, logits[i, 0]))
+                continue
             drafts = request.draft_ids
             verified = verify_drafts(logits[i, : 1 + len(drafts)], self._sampling_row(request), drafts)
             for position in range(len(drafts)):
                 self._drafted[position] += 1
                 self._accepted[position] += position < len(verified) - 1
             kept.append((request, verified))
-        return VerifyStep(requests, starts, hidden), kept
+        return VerifyStep(requests, starts, hidden), kept, chosen
 
     def _keep_verified(self, step: VerifyStep, kept: dict[str, int]) -> None:
         """Each verified request keeps its first `kept[id]` fed tokens (its last token and the accepted drafts
@@ -537,12 +526,16 @@ class Engine:
         if verified is not None:
             rows = []
             for i, (request, start) in enumerate(zip(verified.requests, verified.starts, strict=True)):
+                if request.chooser is not None:
+                    continue  # its chooser picks one token at a time: it never drafts
                 # The token after each kept position: the step's new tokens.
                 new_tokens = request.output_ids[start - request.num_computed :]
                 rows.append(CatchUp(request, start, new_tokens, verified.hidden[i], drafts(request)))
             self.drafter.catch_up(rows)
         for chunk, hidden in chunk_hidden:
             request = chunk.request
+            if request.chooser is not None:
+                continue
             next_tokens = request.token_ids[chunk.start + 1 : chunk.end + 1]
             self.drafter.catch_up([CatchUp(request, chunk.start, next_tokens, hidden[0], drafts(request))])
 
@@ -564,7 +557,7 @@ class Engine:
         positions = range(before + 1, num_computed + 1) if state_after else [*snapshots, num_computed]
         for position in positions:
             if position > request.cacheable_computed:
-                break  # padding
+                break  # filler
             store = position in seq.snapshot_positions
             if not store and not self.prefix_cache.decode_snapshot_due(seq, position):
                 continue
@@ -632,7 +625,7 @@ class Engine:
         self, request: Request, token: int, detokenizer: IncrementalDetokenizer | None
     ) -> FinishReason | None:
         params = request.params
-        if request.sampled_by_caller:
+        if request.chooser is not None:
             return None  # its caller ends it
         if len(request.output_ids) >= params.min_tokens and token in request.stop_ids:
             return FinishReason.STOP

@@ -17,14 +17,13 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from .engine import Engine
-from .request import RequestOutput
-from .sampling import SamplingParams, TokenConstraint
+from .request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -77,31 +76,21 @@ class EngineLoop:
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
-    def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> RequestStream:
+    def submit(self, request: EngineRequest) -> RequestStream:
         """Queue a request; returns the stream of its outputs. Raises what `Engine.add_request` raises for
         bad input (and queues nothing)."""
         stream = RequestStream("")
-        stream.request_id = self.add(prompt_ids, params, request_id, stream.put).result()
+        stream.request_id = self.add(request, stream.put).result()
         return stream
 
-    def add(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None,
-        request_id: str | None,
-        sink: Sink,
-        constraint: TokenConstraint | None = None,
-        reusable_prefix: int | None = None,
-    ) -> Future[str]:
+    def add(self, request: EngineRequest, sink: Sink) -> Future[str]:
         """Queue a request whose outputs (or the engine's exception) are passed to `sink` on the loop
         thread; the future gives its id, or the error that refused it."""
         added: Future[str] = Future()
 
         def add() -> None:
             try:
-                rid = self.engine.add_request(prompt_ids, params, request_id, constraint, reusable_prefix)
+                rid = self.engine.add_request(request)
             except Exception as error:  # handed to the submitting thread
                 added.set_exception(error)
                 return
@@ -225,24 +214,16 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.loop = EngineLoop(engine)
 
-    async def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        constraint: TokenConstraint | None = None,
-        reusable_prefix: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine produces them; raises ValueError for bad
-        input before yielding anything. Closing the iterator before the end aborts the request (the
-        arguments are `Engine.add_request`'s)."""
+        input before yielding anything. Closing the iterator before the end aborts the request."""
         running = asyncio.get_running_loop()
         items: asyncio.Queue[_Item] = asyncio.Queue()
 
         def sink(item: _Item) -> None:
             running.call_soon_threadsafe(items.put_nowait, item)
 
-        added = self.loop.add(prompt_ids, params, request_id, sink, constraint, reusable_prefix)
+        added = self.loop.add(request, sink)
         try:
             rid = await asyncio.wrap_future(added)
         except asyncio.CancelledError:

@@ -9,12 +9,12 @@ import secrets
 from typing import Any
 
 from ..distributed.replicated import Driver
+from .request import EngineRequest
 from .sampling import SamplingParams
 
 
-def fill_seed(params: SamplingParams | None) -> SamplingParams:
+def fill_seed(params: SamplingParams) -> SamplingParams:
     """Sampling params with a seed: every rank must draw the same random numbers for a request."""
-    params = params or SamplingParams()
     return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbits(63))
 
 
@@ -25,24 +25,21 @@ def outputs_digest(outputs: list[Any]) -> str:
 
 
 class ReplicatedEngine:
-    """The driver's engine: calls that change it run on every rank; reads (stats, requests) run here. Its
-    requests are sampled by the engine (generate() runs an engine of its own on every rank)."""
+    """The driver's engine: calls that change it run on every rank; reads (stats, requests) run here."""
 
     def __init__(self, engine: Any, driver: Driver, model: Any) -> None:
         self._engine = engine
         self._driver = driver
         self._model = model  # the workers stop when the model goes: it must live as long as its engines
 
-    def add_request(
-        self,
-        prompt_ids: Any,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        constraint: Any = None,
-        reusable_prefix: int | None = None,
-    ) -> str:
-        args = ([int(t) for t in prompt_ids], fill_seed(params), request_id, constraint, reusable_prefix)
-        return self._driver.call(self._engine, "add_request", args)
+    def add_request(self, request: EngineRequest) -> str:
+        if request.chooser is not None:
+            raise ValueError(
+                "a request with a token chooser runs on one rank only: under tensor parallelism every "
+                "rank would need the same chooser (generate() runs on every rank instead)."
+            )
+        seeded = dataclasses.replace(request, params=fill_seed(request.params))
+        return self._driver.call(self._engine, "add_request", (seeded,))
 
     def abort(self, request_id: str, after_error: bool = False) -> Any:
         if self._driver.group.dead is not None:  # nothing runs any more: free the request here

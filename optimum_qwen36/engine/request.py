@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from ..network.cache import CacheStorage
 from .sampling import SamplingParams, TokenConstraint, request_generator
 
 
@@ -26,13 +29,62 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ResumePoint:
-    """Where a request resumes a sequence computed by an earlier run over the same cache: the GDN slot that
-    holds its state, and the blocks that hold the KV of its first `num_computed` tokens."""
+class ComputedSequence:
+    """A sequence's first `num_computed` tokens, computed in `storage`: its GDN state in `slot` and their
+    KV in `block_ids` (in position order). A request that brings one starts after them: they are copied
+    into its own slot and blocks when it is admitted (a transformers cache passed back to generate())."""
 
+    storage: CacheStorage
     slot: int
     block_ids: tuple[int, ...]
     num_computed: int
+
+
+@dataclass(frozen=True)
+class ChosenToken:
+    """A request's next token, as its `TokenChooser` picked it. `filler`: its caller has ended the request
+    but keeps it computing (generate()'s finished rows, whose logits are still returned): the prefix cache
+    keeps nothing from this token on."""
+
+    token: int
+    filler: bool = False
+
+
+class TokenChooser(Protocol):
+    """Picks the tokens of the requests that name it, in the engine's sampler's place (generate():
+    transformers' logits processors, stopping criteria and streamer, over all of its rows at once). A
+    request whose next token it has not picked computes nothing, and the engine never ends it (its caller
+    does, with `Engine.abort`)."""
+
+    def choose(self, logits: Mapping[str, torch.Tensor]) -> Mapping[str, ChosenToken]:
+        """Given the next-token logits [vocab] that a step computed for some of its requests (by request
+        id), the tokens it picks now, for any of its requests waiting for one (also those whose logits came
+        in an earlier step)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a caller asks the engine for, one frozen record from the caller to the scheduler (vLLM's
+    `EngineCoreRequest`).
+
+    `constraint` restricts which tokens it may produce (structured output). `reusable_prefix`: how many
+    leading prompt tokens later requests are expected to share (a chat's history without its generation
+    prompt, which the next turn renders differently), so that the prefix cache keeps a GDN state checkpoint
+    there. `chooser` picks its tokens instead of the engine's sampler (then of `params` only max_tokens
+    counts: the longest it may grow, which the block pool must hold). `computed`: its first tokens were
+    computed elsewhere; their state is copied in instead of computed again."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    constraint: TokenConstraint | None = None
+    reusable_prefix: int | None = None
+    chooser: TokenChooser | None = None
+    computed: ComputedSequence | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
 
 
 @dataclass
@@ -63,15 +115,12 @@ class Request:
     # and until computed).
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # Resumes an earlier run's sequence in its slot and blocks instead of starting from a prefix lookup.
-    resume: ResumePoint | None = None
-    # The caller picks each next token (generate() with its logits processors): the engine computes the
-    # logits, keeps them in next_token_logits, and waits for `Engine.append_token` before decoding again.
-    sampled_by_caller: bool = False
-    next_token_logits: torch.Tensor | None = field(default=None, repr=False)
-    # A caller-sampled request whose caller ended it keeps stepping on padding tokens from this position on
-    # (generate()'s finished rows, whose logits are still returned): the prefix cache keeps none of them.
-    padding_from: int | None = None
+    # Picks its tokens instead of the engine's sampler.
+    chooser: TokenChooser | None = field(default=None, repr=False)
+    # Its first tokens' state, computed elsewhere, copied in at admission.
+    computed: ComputedSequence | None = field(default=None, repr=False)
+    # From this position on its tokens are filler (`ChosenToken.filler`): the prefix cache keeps none.
+    filler_from: int | None = None
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,16 +138,16 @@ class Request:
         return len(self.prompt_ids) > 1 and self.prompt_logprobs[-1:] == [None]
 
     @property
-    def awaits_token(self) -> bool:
-        """Whether the caller has the logits of the next token and the engine waits for its choice."""
-        return self.next_token_logits is not None
+    def has_new_token(self) -> bool:
+        """Whether a token of it is still to compute (else it waits for its chooser's pick)."""
+        return self.num_tokens > self.num_computed
 
     @property
     def cacheable_computed(self) -> int:
-        """Computed tokens the prefix cache may keep: all of them, short of padding."""
-        if self.padding_from is None:
+        """Computed tokens the prefix cache may keep: all of them, short of filler."""
+        if self.filler_from is None:
             return self.num_computed
-        return min(self.num_computed, self.padding_from)
+        return min(self.num_computed, self.filler_from)
 
     @property
     def token_ids(self) -> list[int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..exporters.base import StepBackend
-from ..network.cache import PADDING_SLOT, Qwen36HybridCache
+from ..network.cache import PADDING_SLOT, CacheStorage
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PackedChunk:
 
 
 class ModelRunner:
-    def __init__(self, backend: StepBackend, cache: Qwen36HybridCache, prefill_chunk_size: int) -> None:
+    def __init__(self, backend: StepBackend, cache: CacheStorage, prefill_chunk_size: int) -> None:
         self.backend = backend
         self.cache = cache
         self.prefill_chunk_size = prefill_chunk_size
@@ -232,4 +232,4 @@ class ModelRunner:
 
     def slot_state(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's conv and recurrent states, as views (written in place by the steps)."""
-        return self.cache.conv_state[:, slot], self.cache.recurrent_state[:, slot]
+        return self.cache.slot_state(slot)

@@ -13,10 +13,10 @@
   front of the queue; on resume it restores its longest prefix-cache checkpoint and recomputes the rest. A
   request that finishes or is aborted after decoding also leaves the prefix cache its tail (its partial last
   block and the slot's state); a preempted one does not (that block is what frees without evicting).
-- A request that resumes a sequence computed earlier over the same cache (generate()'s continuation, in
-  an engine without prefix caching) takes that sequence's slot and blocks when it is added, so no other
-  request's chunk can take one of them first.
-- A request whose caller holds the logits of its next token (generate()'s rows) is never preempted.
+- A request that brings a computed sequence (`EngineRequest.computed`) is admitted with blocks for those
+  tokens, into which the engine copies them; nothing is looked up for it.
+- A request waiting for its chooser's pick (`EngineRequest.chooser`) is not planned, and not preempted: its
+  chooser holds the logits of its next token.
 - The engine stores the GDN state at the prefix cache's checkpoint positions. Where the backend snapshots
   states inside a packed prefill call (`prefill_snapshots` per step), a chunk runs past up to that many of
   them; otherwise a chunk ends at each. A chunk cut short by the budget ends on a multiple of the GDN
@@ -111,7 +111,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self._running: dict[str, _Running] = {}  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self._resumed: list[_Running] = []  # admitted at `add`, started by the next plan
         self.stats = {"preemptions": 0, "admitted": 0, "finished": 0, "aborted": 0}
 
     # ------------------------------------------------------------------ queue
@@ -131,14 +130,7 @@ class Scheduler:
                 f"max_tokens), {-(-longest // block_size)} KV blocks of {block_size}, but the engine's pool "
                 f"has {usable}: lower max_tokens, or create the engine with more num_kv_blocks."
             )
-        if request.resume is None:
-            self.waiting.append(request)
-        else:
-            # Its slot and blocks are taken now, before any other request's chunk can take one of them.
-            self._resumed.append(self._admit_resumed(request))
-
-    def can_resume_in(self, slot: int) -> bool:
-        return slot in self._free_slots
+        self.waiting.append(request)
 
     @property
     def running(self) -> list[Request]:
@@ -159,15 +151,12 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        # Requests resumed since the last plan start now (unless aborted since).
-        plan.admitted = [e.request for e in self._resumed if self._running.get(e.request.request_id) is e]
-        self._resumed.clear()
         for entry in list(self._running.values()):
             request = entry.request
             if request.request_id not in self._running or request.state is not RequestState.DECODING:
                 continue
-            if request.awaits_token:
-                continue  # its caller has not picked its next token yet
+            if not request.has_new_token:
+                continue  # its chooser has not picked its next token yet
             drafts = self._num_drafts(request)
             if self._reserve(entry, request.num_computed + 1 + drafts, plan, decode=True):
                 plan.decodes.append(request)
@@ -215,11 +204,15 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> _Running | None:
         """Admit the request if its first chunk's blocks can be had without preempting anyone."""
         block_size = self.prefix_cache.config.block_size
-        first = min(request.num_tokens, budget, self.prefill_chunk_size)
-        if self.prefix_cache.available_blocks() < -(-first // block_size):
+        brought = request.computed.num_computed if request.computed is not None else 0
+        first = min(request.num_tokens - brought, budget, self.prefill_chunk_size)
+        if self.prefix_cache.available_blocks() < -(-(brought + first) // block_size):
             return None  # cheap check before the lookup: a miss needs at least this much
-        reuse = not request.needs_prompt_logprobs
-        seq = self.prefix_cache.begin(request.token_ids, reuse, request.reusable_prefix)
+        if request.computed is not None:
+            seq = self.prefix_cache.begin_computed(request.token_ids, brought)
+        else:
+            reuse = not request.needs_prompt_logprobs
+            seq = self.prefix_cache.begin(request.token_ids, reuse, request.reusable_prefix)
         first_end = min(request.num_tokens, seq.cached_tokens + first)
         needed = -(-first_end // block_size) - len(seq.block_ids)
         if self.prefix_cache.available_blocks() < needed:
@@ -236,20 +229,6 @@ class Scheduler:
         self.stats["admitted"] += 1
         return entry
 
-    def _admit_resumed(self, request: Request) -> _Running:
-        """Admit a request in the slot and blocks of the sequence it resumes (they hold its first tokens)."""
-        point = request.resume
-        assert point is not None
-        seq = self.prefix_cache.adopt(request.token_ids, point.block_ids, point.num_computed)
-        self._free_slots.remove(point.slot)
-        entry = _Running(request, point.slot, seq)
-        self._running[request.request_id] = entry
-        request.resume = None  # a preempted request starts over like any other
-        request.state = RequestState.PREFILLING
-        request.num_computed = request.cached_prompt_tokens = point.num_computed
-        self.stats["admitted"] += 1
-        return entry
-
     def _reserve(self, entry: _Running, num_tokens: int, plan: StepPlan, decode: bool) -> bool:
         """Blocks for `num_tokens` positions of the entry's request, preempting the most recently admitted
         requests when the pool is out (first come, first served: the earliest request always progresses).
@@ -262,8 +241,8 @@ class Scheduler:
             except KVBlocksExhausted:
                 pass
             order = list(self._running.values())
-            # A request whose caller holds its next token's logits is not preempted: they would be lost.
-            later = [e for e in order[order.index(entry) + 1 :] if not e.request.awaits_token]
+            # A request waiting for its chooser's pick is not preempted: its chooser holds its logits.
+            later = [e for e in order[order.index(entry) + 1 :] if e.request.has_new_token]
             victim = later[-1] if later else entry if decode else None
             if victim is None and len(order) > 1:
                 return False  # an earlier request holds the blocks: this chunk waits for it

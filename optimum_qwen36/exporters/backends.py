@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
-from ..network.cache import Qwen36HybridCache
+from ..network.cache import CacheStorage
 from ..network.model import Qwen36ForCausalLM
 from ..network.neuron_config import Qwen36NeuronConfig
 from ..ops.attention import (
@@ -87,11 +87,6 @@ SPECULATIVE_BATCHED_STEPS = ("verify_step", "mtp_step")
 EXTRA_CONSTANTS = "constants.safetensors"
 # The StepShapes the graphs were compiled with (what they take is decided once, on the exporting machine).
 STEP_SHAPES = "step_shapes.json"
-
-
-# Builds the cache generate() will pass (its shapes are what the graphs are traced with) on a device, with
-# so many snapshot slots.
-CacheFactory = Callable[[str, int], Qwen36HybridCache]
 
 
 def graphs_to_compile(neuron_config: Qwen36NeuronConfig) -> list[str]:
@@ -272,7 +267,6 @@ class AOTIBackend:
         cls,
         model: Qwen36ForCausalLM,
         neuron_config: Qwen36NeuronConfig,
-        make_cache: CacheFactory,
         cache: CompileCache | None,
         device: str,
     ) -> AOTIBackend:
@@ -294,8 +288,11 @@ class AOTIBackend:
                 packs = prefill_takes_any_tokens(model, cpu_kernels)
                 snapshots = PREFILL_SNAPSHOTS if packs else 0
                 shapes = StepShapes(packs, decode_rows_in_prefill=packs, prefill_snapshots=snapshots)
+                storage = CacheStorage.for_settings(
+                    model.config, neuron_config, device, snapshot_slots=snapshots
+                )
                 examples = example_step_args(
-                    neuron_config, make_cache(device, snapshots), model.config.hidden_size, packs, snapshots
+                    neuron_config, storage, model.config.hidden_size, packs, snapshots
                 )
                 graphs = {graph: examples[graph] for graph in graphs_to_compile(neuron_config)}
                 _compile_graphs(model, graphs, staging, cpu_kernels=cpu_kernels, shapes=shapes)
@@ -430,7 +427,6 @@ def default_device(backend: str) -> str:
 def create_backend(
     model: Qwen36ForCausalLM,
     neuron_config: Qwen36NeuronConfig,
-    make_cache: CacheFactory,
     compiled_dir: Path | None = None,
     cache: CompileCache | None = None,
 ) -> StepBackend:
@@ -445,9 +441,9 @@ def create_backend(
             model.to(device)
         if compiled_dir is not None:
             return AOTIBackend(compiled_dir, model, device)
-        return AOTIBackend.compile(model, neuron_config, make_cache, cache, device)
+        return AOTIBackend.compile(model, neuron_config, cache, device)
     if backend == "neuron":
         from .neuron import NeuronBackend
 
-        return NeuronBackend(model, neuron_config, make_cache, compiled_dir=compiled_dir)
+        return NeuronBackend(model, neuron_config, compiled_dir=compiled_dir)
     raise ValueError(f"Unknown backend {backend!r}.")

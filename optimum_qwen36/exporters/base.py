@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ..network.cache import Qwen36HybridCache
+from ..network.cache import CacheStorage
 from ..network.model import Qwen36ForCausalLM
 from ..network.neuron_config import Qwen36NeuronConfig
 
@@ -198,7 +198,7 @@ class EagerBackend:
 
 def example_step_args(
     neuron_config: Qwen36NeuronConfig,
-    cache: Qwen36HybridCache,
+    cache: CacheStorage,
     hidden_size: int | None = None,
     packed_prefill: bool = False,
     prefill_snapshots: int = 0,
@@ -217,7 +217,7 @@ def example_step_args(
         scalar(0),
         scalar(chunk),
         scalar(0),
-        cache.block_tables[0].clone(),
+        cache.row_block_tables()[0],
         *cache.step_tensors(),
     )
     if packed_prefill:
@@ -228,7 +228,7 @@ def example_step_args(
         torch.zeros((batch, 1), dtype=torch.long, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),
         torch.arange(batch, device=device),
-        cache.block_tables.clone(),
+        cache.row_block_tables(),
         *cache.step_tensors(),
     )
     row = (*(a[:1] for a in decode[:4]), *decode[4:])
@@ -239,19 +239,19 @@ def example_step_args(
 
 
 def _speculative_step_args(
-    neuron_config: Qwen36NeuronConfig, cache: Qwen36HybridCache, hidden_size: int
+    neuron_config: Qwen36NeuronConfig, cache: CacheStorage, hidden_size: int
 ) -> dict[str, tuple[torch.Tensor, ...]]:
     """verify: k + 1 tokens of one row / every row; mtp: a whole chunk of one row / every row."""
     device, batch = cache.key_cache.device, neuron_config.batch_size
     fed = neuron_config.num_speculative_tokens + 1
-    tables = cache.block_tables.clone()
+    tables = cache.row_block_tables()
     chunk = neuron_config.prefill_chunk_size
     verify = (
         torch.zeros((batch, fed), dtype=torch.long, device=device),
         torch.zeros(batch, dtype=torch.long, device=device),
         torch.full((batch,), fed, dtype=torch.long, device=device),
         torch.arange(batch, device=device),
-        cache.block_tables.clone(),
+        cache.row_block_tables(),
         *cache.step_tensors(),
         *cache.spec_tensors(),
     )

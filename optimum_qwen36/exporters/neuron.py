@@ -64,7 +64,6 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -73,6 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..network.cache import CacheStorage
 from ..network.model import Qwen36ForCausalLM
 from ..network.neuron_config import Qwen36NeuronConfig
 from ..network.quantization import rescale_for_range
@@ -245,7 +245,6 @@ class NeuronBackend:
         self,
         model: Qwen36ForCausalLM,
         neuron_config: Qwen36NeuronConfig,
-        make_cache: Callable[[str, int], Any],
         compiled_dir: Path | None = None,
         *,
         device: str = "neuron",
@@ -278,7 +277,7 @@ class NeuronBackend:
         chunk = neuron_config.prefill_chunk_size
         self.mtp_widths = sorted({k + 1, chunk}) if k else []  # the config keeps k + 1 <= chunk
         if compiled_dir is None:
-            self._warm_up(neuron_config, make_cache)
+            self._warm_up(neuron_config)
 
     def _copy_in(self, source: Path) -> set[str]:
         """Put an artifact's NEFFs where the runtime looks (not the artifact itself: it must stay as it was
@@ -293,9 +292,9 @@ class NeuronBackend:
             logger.warning("%s holds no NEFF: the neuron steps will be compiled again.", source)
         return names
 
-    def _warm_up(self, neuron_config: Qwen36NeuronConfig, make_cache: Callable[[str, int], Any]) -> None:
+    def _warm_up(self, neuron_config: Qwen36NeuronConfig) -> None:
         """torch.compile is lazy: run each step once so that its NEFF is built now and lands in the cache."""
-        cache = make_cache(self.device, self.prefill_snapshots)
+        cache = CacheStorage.for_settings(self.model.config, neuron_config, self.device, snapshot_slots=0)
         examples = example_step_args(neuron_config, cache, self.model.config.hidden_size)
         examples["prefill_chunk_hidden"] = examples["prefill_chunk"]
         for method in self._steps:  # decode, verify and MTP steps at the full batch: the static batch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
 
 class BlockPool:
@@ -33,22 +32,6 @@ class BlockPool:
         self._is_free[block] = False
         self._refs[block] = 1
         return block
-
-    def claim(self, blocks: Sequence[int]) -> None:
-        """Take these free blocks with ref count 1 each (a sequence resumed on the blocks it wrote before)."""
-        blocks = [int(b) for b in blocks]
-        for block in blocks:
-            if not self.is_free(block):
-                raise RuntimeError(
-                    f"block {block} is held, or not one of the pool's 1..{self.num_blocks - 1}"
-                )
-        taken = set(blocks)
-        if len(taken) != len(blocks):
-            raise ValueError(f"a block is listed twice in {blocks}")
-        self._free = deque(b for b in self._free if b not in taken)
-        for block in blocks:
-            self._is_free[block] = False
-            self._refs[block] = 1
 
     def is_free(self, block: int) -> bool:
         """Whether `block` is a pool block (not the null block 0) that nobody holds."""

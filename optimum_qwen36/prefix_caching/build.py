@@ -11,12 +11,12 @@ from .manager import PrefixCache, PrefixCacheConfig
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from ..network.cache import Qwen36HybridCache
+    from ..network.cache import CacheStorage
     from ..network.neuron_config import Qwen36NeuronConfig
 
 
 def build_prefix_cache(
-    kv: Qwen36HybridCache, neuron_config: Qwen36NeuronConfig, model_config: PretrainedConfig
+    kv: CacheStorage, neuron_config: Qwen36NeuronConfig, model_config: PretrainedConfig
 ) -> PrefixCache:
     """A prefix cache managing every block of ``kv`` (block 0 excepted) and checkpointing its GDN slots."""
     spec = GDNStateSpec(

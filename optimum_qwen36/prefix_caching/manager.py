@@ -258,26 +258,28 @@ class PrefixCache:
             _taken=tail,
         )
 
-    def adopt(self, token_ids: Sequence[int], block_ids: Sequence[int], num_computed: int) -> CachedSequence:
-        """A sequence whose first ``num_computed`` tokens are already in ``block_ids`` (and its GDN state in
-        its slot): a continuation of a previous run over the same KV. Its blocks are claimed from the pool and
-        nothing is looked up; like any sequence, its blocks are registered as they fill (with caching on)."""
+    def begin_computed(self, token_ids: Sequence[int], num_computed: int) -> CachedSequence:
+        """A sequence whose first ``num_computed`` tokens were computed elsewhere (their KV and GDN state are
+        copied into its blocks and slot): nothing is looked up, and blocks for them are allocated; like any
+        sequence, its blocks are registered as they fill (with caching on). Raises KVBlocksExhausted, keeping
+        nothing, when the pool cannot hold them."""
         tokens = [int(t) for t in token_ids]
-        bs = self.config.block_size
-        if not 0 <= num_computed < len(tokens) or len(block_ids) != -(-num_computed // bs):
-            raise ValueError(
-                f"a sequence of {len(tokens)} tokens cannot resume after {num_computed} computed tokens "
-                f"in {len(block_ids)} blocks of {bs}"
-            )
-        self.pool.claim(block_ids)
-        return CachedSequence(
+        if not 0 < num_computed < len(tokens):
+            raise ValueError(f"a sequence of {len(tokens)} tokens cannot start after {num_computed} computed")
+        seq = CachedSequence(
             token_ids=tokens,
             prompt_len=len(tokens),
             cached_tokens=num_computed,
-            block_ids=[int(b) for b in block_ids],
+            block_ids=[],
             checkpoint=None,
             snapshot_positions=[],
         )
+        try:
+            self.ensure_blocks(seq, num_computed)
+        except KVBlocksExhausted:
+            self.finish(seq, None)
+            raise
+        return seq
 
     def restore(self, seq: CachedSequence, conv_dst: torch.Tensor, recurrent_dst: torch.Tensor) -> None:
         """Copy the hit checkpoint into the row's slot: ``conv_state[:, s]``, ``recurrent_state[:, s]``."""

@@ -24,7 +24,14 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import AsyncEngine, EngineDeadError, RequestOutput, SamplingParams, TokenConstraint
+from ..engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    TokenConstraint,
+)
 from .chat import ChatDelta, ChatOutputParser, check_tools, encode_chat, forced_tool_grammar, render_chat
 from .errors import OpenAIError, bad_request, install_error_handlers
 from .metrics import ServerMetrics
@@ -268,7 +275,8 @@ class _EngineRun:
         times: list[float] = []
         try:
             engine = server.ready().engine
-            outputs = engine.generate(prompt_ids, params, rid, constraint, reusable_prefix)
+            request = EngineRequest(prompt_ids, params, rid, constraint, reusable_prefix)
+            outputs = engine.generate(request)
             async with contextlib.aclosing(outputs) as outs:
                 async for output in outs:
                     times += [time.monotonic()] * len(output.new_token_ids)
