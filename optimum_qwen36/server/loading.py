@@ -8,7 +8,7 @@ from typing import Any
 from ..engine import AsyncEngine
 from ..modeling.causal_lm import NeuronQwen36ForCausalLM
 from ..tokenizer import load_qwen36_tokenizer
-from .app import GENERATION_DEFAULTS, ServedModel
+from .served import GENERATION_DEFAULTS, ServedModel
 
 
 def served_model(
