@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .network.neuron_config import (
     FP8_MODULE_SETS,
@@ -26,6 +27,9 @@ from .network.neuron_config import (
     SUPPORTED_DTYPES,
     SUPPORTED_QUANTIZATIONS,
 )
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
@@ -168,10 +172,9 @@ def _load(args: argparse.Namespace):
     return _export(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server import ServerSettings, build_app, served_model
+def serve_app(args: argparse.Namespace) -> FastAPI:
+    """The app `serve` runs for its parsed arguments; it loads (or exports) the model once started."""
+    from .server import ServedModel, ServerSettings, build_app, served_model
 
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
@@ -180,14 +183,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
     )
 
-    def load():
+    def load() -> ServedModel:
         return served_model(
             _load(args),
             prefix_caching=args.prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
 
-    uvicorn.run(build_app(load, settings), host=args.host, port=args.port, log_level=args.log_level)
+    return build_app(load, settings)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run(serve_app(args), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -265,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse computed prompt prefixes across requests (default: as exported)",
+        default=True,
+        help="reuse computed prompt prefixes across requests (default: on, whether or not the model was "
+        "exported with prefix caching: the compiled graphs are the same)",
     )
     serve.add_argument(
         "--default-enable-thinking",
