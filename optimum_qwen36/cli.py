@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .network.neuron_config import (
     FP8_MODULE_SETS,
@@ -30,6 +30,8 @@ from .network.neuron_config import (
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from . import NeuronQwen36ForCausalLM
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +97,7 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-cache", action="store_true", help="always compile, store nothing")
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         backend=args.backend,
         batch_size=args.batch_size,
@@ -110,7 +112,7 @@ def _settings(args: argparse.Namespace) -> dict:
     )
 
 
-def _export(args: argparse.Namespace):
+def _export(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
     from . import NeuronQwen36ForCausalLM
 
     return NeuronQwen36ForCausalLM.from_pretrained(
@@ -160,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
     """An exported model directory (or Hub repository, with --trust-compiled-code) loads; a checkpoint is
     exported (the compile cache applies)."""
     from . import NeuronQwen36ForCausalLM

@@ -21,6 +21,9 @@ from .reasoning import THINK_END, prompt_opens_reasoning
 from .responses import Choice, ChoicesResponse, token_usage
 from .runs import EngineRequestSpec
 
+# The tool choices whose calls a grammar forces.
+_FORCED = ("required", "named")
+
 
 async def create_chat_completion(
     server: OpenAIServer, body: ChatCompletionRequest, request: Request
@@ -29,20 +32,7 @@ async def create_chat_completion(
     server.check_model(body.model)
     server.check_stream_options(body)
     tools = check_tools(body.tools)
-    choice_kind = body.tool_choice or ("auto" if tools else "none")
-    forced_name = None
-    if isinstance(choice_kind, dict):
-        function = choice_kind.get("function")
-        forced_name = function.get("name") if isinstance(function, dict) else None
-        if forced_name not in {t["function"]["name"] for t in tools}:
-            raise bad_request(
-                f"tool_choice names {forced_name!r}, which is not one of the tools.", "tool_choice"
-            )
-        choice_kind = "named"
-    if choice_kind in ("required", "named") and not tools:
-        raise bad_request(f"tool_choice {body.tool_choice!r} needs tools.", "tool_choice")
-    if choice_kind in ("required", "named") and body.response_format is not None:
-        raise bad_request("tool_choice 'required' or a named function cannot combine with response_format.")
+    choice_kind, forced_name = _tool_choice(body, tools)
     # tool_choice 'none': the model is not shown the tools, and nothing is parsed as a call.
     shown_tools = [] if choice_kind == "none" else tools
     template_kwargs = {"enable_thinking": server.settings.default_enable_thinking}
@@ -59,21 +49,41 @@ async def create_chat_completion(
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices, parsers, specs = [], [], []
     for j in range(body.n):
-        params = server.sampling_params(body, len(prompt_ids), max_tokens, top if body.logprobs else None, j)
-        if choice_kind in ("required", "named"):
+        params = server.sampling_params(body, len(prompt_ids), max_tokens, top, j)
+        if choice_kind in _FORCED:
             server.check_grammar_fields(body)
             grammar = forced_tool_grammar(tools, forced_name)
             constraint = await asyncio.to_thread(server.structured.lark_constraint, grammar, gate)
         else:
             constraint = await asyncio.to_thread(server.response_constraint, body, gate)
         choices.append(Choice(j, prompt_ids))
-        parsers.append(ChatOutputParser(in_reasoning, shown_tools if choice_kind != "none" else None))
+        parsers.append(ChatOutputParser(in_reasoning, shown_tools))
         specs.append(
             EngineRequestSpec(j, prompt_ids, params, constraint, f"{response_id}-{j}", chat_prompt.history)
         )
     runs = server.run_choices(specs)
     response = _ChatCompletionResponse(server, response_id, body, choices, parsers)
-    return await response.respond(request, runs, body.stream)
+    return await response.respond(request, runs)
+
+
+def _tool_choice(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The request's tool_choice as one of 'none', 'auto', 'required' and 'named', with the named function's
+    name."""
+    choice_kind = body.tool_choice or ("auto" if tools else "none")
+    forced_name = None
+    if isinstance(choice_kind, dict):
+        function = choice_kind.get("function")
+        forced_name = function.get("name") if isinstance(function, dict) else None
+        if forced_name not in {t["function"]["name"] for t in tools}:
+            raise bad_request(
+                f"tool_choice names {forced_name!r}, which is not one of the tools.", "tool_choice"
+            )
+        choice_kind = "named"
+    if choice_kind in _FORCED and not tools:
+        raise bad_request(f"tool_choice {body.tool_choice!r} needs tools.", "tool_choice")
+    if choice_kind in _FORCED and body.response_format is not None:
+        raise bad_request("tool_choice 'required' or a named function cannot combine with response_format.")
+    return choice_kind, forced_name
 
 
 class _ChatCompletionResponse(ChoicesResponse):

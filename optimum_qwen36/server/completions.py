@@ -49,7 +49,7 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
             )
     runs = server.run_choices(specs)
     response = _CompletionResponse(server, response_id, body, choices, prompts)
-    return await response.respond(request, runs, body.stream)
+    return await response.respond(request, runs)
 
 
 def _prompt_ids(server: OpenAIServer, body: CompletionRequest) -> list[list[int]]:

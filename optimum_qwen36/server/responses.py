@@ -91,11 +91,12 @@ class ChoicesResponse(ABC):
         """Every choice's payload, once all have finished."""
 
     @abstractmethod
-    def usage(self) -> dict[str, Any]: ...
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object: the request's prompt, completion and cached prompt tokens."""
 
     # ------------------------------------------------------------------ shared
-    async def respond(self, request: Request, runs: ChoiceRuns, stream: bool) -> Response:
-        if stream:
+    async def respond(self, request: Request, runs: ChoiceRuns) -> Response:
+        if self.body.stream:
             await _until_disconnected(request, runs.start(), runs)
             return _EventStream(self._events(runs), runs)
         await _until_disconnected(request, self._collect(runs), runs)

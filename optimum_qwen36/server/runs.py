@@ -29,18 +29,18 @@ class EngineRequestSpec:
 
 
 class EngineRun:
-    """One engine request, as an async iterator of its outputs; `release` (its share of the server's
-    capacity) is called once, however the run ends."""
+    """One engine request, as an async iterator of its outputs; `release_capacity` (its share of the
+    server's capacity) is called once, however the run ends."""
 
     def __init__(
         self,
         spec: EngineRequestSpec,
         engine: AsyncEngine,
         metrics: ServerMetrics,
-        release: Callable[[], None],
+        release_capacity: Callable[[], None],
     ) -> None:
         self.index = spec.index
-        self._release = release
+        self._release_capacity = release_capacity
         self._released = False
         self.outputs = self._outputs(spec, engine, metrics)
 
@@ -75,7 +75,7 @@ class EngineRun:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._release()
+            self._release_capacity()
 
     async def close(self) -> None:
         with contextlib.suppress(RuntimeError):  # already closed by its reader
