@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .network.neuron_config import (
     FP8_MODULE_SETS,
@@ -26,6 +27,11 @@ from .network.neuron_config import (
     SUPPORTED_DTYPES,
     SUPPORTED_QUANTIZATIONS,
 )
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from . import NeuronQwen36ForCausalLM
 
 
 def _add_export_settings(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +97,7 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-cache", action="store_true", help="always compile, store nothing")
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         backend=args.backend,
         batch_size=args.batch_size,
@@ -106,7 +112,7 @@ def _settings(args: argparse.Namespace) -> dict:
     )
 
 
-def _export(args: argparse.Namespace):
+def _export(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
     from . import NeuronQwen36ForCausalLM
 
     return NeuronQwen36ForCausalLM.from_pretrained(
@@ -156,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
     """An exported model directory (or Hub repository, with --trust-compiled-code) loads; a checkpoint is
     exported (the compile cache applies)."""
     from . import NeuronQwen36ForCausalLM
@@ -168,10 +174,9 @@ def _load(args: argparse.Namespace):
     return _export(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server import ServerSettings, build_app, served_model
+def serve_app(args: argparse.Namespace) -> FastAPI:
+    """The app `serve` runs for its parsed arguments; it loads (or exports) the model once started."""
+    from .server import ServedModel, ServerSettings, build_app, served_model
 
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
@@ -180,14 +185,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
     )
 
-    def load():
+    def load() -> ServedModel:
         return served_model(
             _load(args),
             prefix_caching=args.prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
 
-    uvicorn.run(build_app(load, settings), host=args.host, port=args.port, log_level=args.log_level)
+    return build_app(load, settings)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run(serve_app(args), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -265,8 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse computed prompt prefixes across requests (default: as exported)",
+        default=True,
+        help="reuse computed prompt prefixes across requests (default: on, whether or not the model was "
+        "exported with prefix caching: the compiled graphs are the same)",
     )
     serve.add_argument(
         "--default-enable-thinking",

@@ -681,6 +681,30 @@ def test_serve_command(checkpoint: Path) -> None:
     assert process.returncode in (0, -15), output
 
 
+@pytest.mark.parametrize("flags", [(), ("--no-prefix-caching",)], ids=["default", "no-prefix-caching"])
+def test_serve_caches_prefixes_unless_told_not_to(checkpoint: Path, flags: tuple[str, ...]) -> None:
+    """`serve` caches prefixes by default (as vLLM does), also for a model exported without prefix caching,
+    as this checkpoint is: a repeated chat reports cached prompt tokens; --no-prefix-caching turns it off."""
+    from optimum_qwen36.cli import build_parser, serve_app
+
+    command = ["serve", str(checkpoint), "--backend", "eager", "--sequence-length", "512"]
+    command += ["--served-model-name", MODEL, "--api-key", API_KEY, *flags]
+    args = build_parser().parse_args(command)
+    assert args.prefix_caching == (not flags)
+    running = RunningServer(serve_app(args))
+    try:
+        running.wait_healthy(timeout=120)
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key=API_KEY, max_retries=0)
+        messages = [{"role": "user", "content": "amber lantern " * 60}]
+        answers = [chat(client, messages, max_tokens=4, extra_body=NO_THINKING) for _ in range(2)]
+    finally:
+        running.stop()
+    first, second = (answer.usage.prompt_tokens_details.cached_tokens for answer in answers)
+    assert first == 0
+    assert second > 0 if args.prefix_caching else second == 0
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+
+
 # ---------------------------------------------------------------------- tensor parallelism
 def test_tensor_parallel_server_answers_as_one_process(checkpoint: Path, client) -> None:
     """`serve --tp-degree 2`'s engine: the same answers over HTTP, streamed or not, as one process."""

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (`optimum-qwen36 serve`): FastAPI + uvicorn over the engine."""
 
-from .app import ServedModel, ServerSettings, build_app
+from .app import build_app
 from .loading import served_model
+from .served import GENERATION_DEFAULTS, ServedModel, ServerSettings
 
-__all__ = ["ServedModel", "ServerSettings", "build_app", "served_model"]
+__all__ = ["GENERATION_DEFAULTS", "ServedModel", "ServerSettings", "build_app", "served_model"]

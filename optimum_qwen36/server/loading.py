@@ -8,17 +8,18 @@ from typing import Any
 from ..engine import AsyncEngine
 from ..modeling.causal_lm import NeuronQwen36ForCausalLM
 from ..tokenizer import load_qwen36_tokenizer
-from .app import GENERATION_DEFAULTS, ServedModel
+from .served import GENERATION_DEFAULTS, ServedModel
 
 
 def served_model(
     model: NeuronQwen36ForCausalLM,
     tokenizer: Any = None,
     *,
-    prefix_caching: bool | None = None,
+    prefix_caching: bool = True,
     max_num_batched_tokens: int | None = None,
 ) -> ServedModel:
-    """Start an engine over `model` (prefix caching: as exported unless given) and describe it."""
+    """Start an engine over `model` and describe it. Prefix caching is on unless turned off, as in vLLM,
+    whether or not the model was exported with it: it changes the engine's KV block pool, not the graphs."""
     tokenizer = tokenizer if tokenizer is not None else load_qwen36_tokenizer(model.tokenizer_dir)
     engine = model.create_engine(
         tokenizer=tokenizer, prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens

@@ -1,0 +1,163 @@
+"""The server's state across requests (the served model once loaded, metrics, sequences in flight) and what
+every endpoint checks of a request against it: the model is ready and named, token ids lie in the
+vocabulary, the queue has room; and the engine parameters a generation request's fields become."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine import EngineRequest, SamplingParams, TokenConstraint
+from .errors import OpenAIError, bad_request
+from .metrics import ServerMetrics
+from .protocol import SamplingFields
+from .runs import ChoiceRuns, EngineRun
+from .served import ServedModel, ServerSettings
+from .structured import StructuredOutput
+
+
+class OpenAIServer:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics(settings.served_model_name)
+        self.model: ServedModel | None = None
+        self.load_error: BaseException | None = None
+        self.structured: StructuredOutput | None = None
+        self._in_flight = 0  # engine requests submitted and not finished
+
+    def start_serving(self, model: ServedModel) -> None:
+        """Serve `model` from now on, its structured-output tables built first (seconds: here, not on the
+        first structured request)."""
+        self.structured = StructuredOutput(model.tokenizer, model.vocab_size, model.eos_token_id)
+        self.structured.prepare()
+        self.model = model
+
+    # ------------------------------------------------------------------ common checks
+    def ready(self) -> ServedModel:
+        if self.model is None:
+            reason = f"failed to load: {self.load_error}" if self.load_error else "is loading"
+            raise OpenAIError(503, f"The model {reason}.", headers={"Retry-After": "5"})
+        return self.model
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist: this server serves `{self.settings.served_model_name}`.",
+                "model",
+                "model_not_found",
+            )
+
+    def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        vocab = self.ready().vocab_size
+        outside = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if outside:
+            raise bad_request(f"{param} holds {outside[:8]}, outside the vocabulary (0..{vocab - 1}).", param)
+        return list(ids)
+
+    def admit(self, count: int) -> None:
+        """Refuse `count` more sequences if the queue cannot take them."""
+        model = self.ready()
+        capacity = model.max_num_seqs + self.settings.max_waiting_requests
+        if count > capacity:
+            raise bad_request(f"n={count} sequences exceed what this server can queue ({capacity}).", "n")
+        if self._in_flight + count > capacity:
+            raise OpenAIError(
+                503,
+                f"The server is at capacity ({self._in_flight} sequences running or queued): retry later.",
+                headers={"Retry-After": "1"},
+            )
+
+    def check_grammar_fields(self, body: SamplingFields) -> None:
+        if body.min_tokens:
+            # The grammar may allow only the end of the text while min_tokens forbids it.
+            raise bad_request("min_tokens cannot combine with a grammar (response_format or a forced tool).")
+
+    def check_stream_options(self, body: SamplingFields) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed with stream: true.", "stream_options")
+
+    # ------------------------------------------------------------------ engine parameters
+    def sampling_params(
+        self,
+        body: SamplingFields,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        choice: int,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        model = self.ready()
+        room = model.max_model_len - prompt_tokens
+        if (max_tokens is not None and max_tokens > room) or room < 1:
+            requested = prompt_tokens + (max_tokens or 1)
+            raise bad_request(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                f"requested {requested} tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        defaults = model.generation_defaults
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(body, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        stop = body.stop if body.stop is not None else ()
+        try:
+            return SamplingParams(
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=max(pick("top_k", 0), 0),
+                min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                seed=None if body.seed is None else body.seed + choice,  # vLLM's rule for n > 1
+                max_tokens=max_tokens if max_tokens is not None else room,
+                min_tokens=body.min_tokens,
+                stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                stop_token_ids=tuple(self.check_ids(body.stop_token_ids or [], "stop_token_ids")),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=self.logit_bias(body.logit_bias),
+            )
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias: token ids (JSON object keys, so strings) to values added to their logits."""
+        if not bias:
+            return None
+        try:
+            ids = [int(key) for key in bias]
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {sorted(bias)[:8]}.", "logit_bias"
+            ) from None
+        return dict(zip(self.check_ids(ids, "logit_bias"), bias.values(), strict=True))
+
+    def response_constraint(self, body: SamplingFields, gate: int | None) -> TokenConstraint | None:
+        rf = body.response_format
+        if rf is None or rf.type == "text":
+            return None
+        self.check_grammar_fields(body)
+        if rf.type == "json_object":
+            return self.structured.json_constraint({"type": "object"}, gate)
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise bad_request("response_format json_schema needs json_schema.schema.", "response_format")
+        return self.structured.json_constraint(rf.json_schema.json_schema, gate)
+
+    # ------------------------------------------------------------------ running choices
+    def run_choices(self, requests: list[EngineRequest]) -> ChoiceRuns:
+        """The engine requests of one HTTP request, choice i's at index i, counted against the server's
+        capacity from now until each ends."""
+        self.admit(len(requests))
+        self._in_flight += len(requests)
+        engine = self.ready().engine
+        runs = [EngineRun(i, r, engine, self.metrics, self._release_one) for i, r in enumerate(requests)]
+        return ChoiceRuns(runs)
+
+    def _release_one(self) -> None:
+        self._in_flight -= 1

@@ -1,0 +1,34 @@
+"""What a server serves (`ServedModel`: a loaded model's engine, tokenizer, limits and generation defaults)
+and how (`ServerSettings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import AsyncEngine
+
+# Sampling fields a model's generation_config.json may set as defaults (vLLM applies the same ones).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServedModel:
+    """What the server needs of a loaded model."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    eos_token_id: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    default_enable_thinking: bool = True
+    # Requests queued beyond the running ones; more get a 503 with Retry-After.
+    max_waiting_requests: int = 256
