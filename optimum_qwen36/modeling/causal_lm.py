@@ -130,22 +130,22 @@ class NeuronModelForCausalLM(ExportMixin, SaveMixin, GenerateMixin):
         prefix_caching: bool | None,
     ) -> Engine:
         """An engine with a storage of its own on this rank (`create_engine` has every rank build one)."""
-        settings = self.neuron_config
+        neuron_config = self.neuron_config
         if prefix_caching is not None:
-            settings = dataclasses.replace(settings, prefix_caching=prefix_caching)
+            neuron_config = dataclasses.replace(neuron_config, prefix_caching=prefix_caching)
         storage = CacheStorage.for_settings(
             self.model.config,
-            settings,
+            neuron_config,
             self.backend.device,
             num_blocks=num_kv_blocks,
             snapshot_slots=self.backend.prefill_snapshots,
         )
-        if not settings.prefix_caching:  # a prefix cache that hands out blocks and caches none
-            settings = dataclasses.replace(settings, prefix_cache_bytes=0)
+        if not neuron_config.prefix_caching:  # a prefix cache that hands out blocks and caches none
+            neuron_config = dataclasses.replace(neuron_config, prefix_cache_bytes=0)
         return Engine(
             self.backend,
             storage,
-            build_prefix_cache(storage, settings, self.config),
+            build_prefix_cache(storage, neuron_config, self.config),
             prefill_chunk_size=self.neuron_config.prefill_chunk_size,
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=self._engine_eos_ids(tokenizer),
@@ -170,15 +170,15 @@ class NeuronModelForCausalLM(ExportMixin, SaveMixin, GenerateMixin):
 
     def _empty_cache(self) -> Qwen36HybridCache:
         """A cache generate() returns: the rows' KV and states, or with prefix caching only their tokens."""
-        nc = self.neuron_config
+        neuron_config = self.neuron_config
         return Qwen36HybridCache(
             self.model.config,
-            nc.batch_size,
-            nc.sequence_length,
-            nc.kv_block_size,
-            nc.torch_dtype,
+            neuron_config.batch_size,
+            neuron_config.sequence_length,
+            neuron_config.kv_block_size,
+            neuron_config.torch_dtype,
             device=self.backend.device,
-            holds_states=not nc.prefix_caching,
+            holds_states=not neuron_config.prefix_caching,
         )
 
 

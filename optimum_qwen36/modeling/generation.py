@@ -44,6 +44,11 @@ OUTPUT_CACHE_FIELD = (
 )
 
 
+def generated_digest(output: torch.Tensor | GenerateDecoderOnlyOutput) -> str:
+    """The tokens a generate() call produced: every rank must produce the same."""
+    return tensor_digest(output if isinstance(output, torch.Tensor) else output.sequences)
+
+
 class BatchGeneration:
     """The token chooser of one generate() call's rows (by request id, in row order): transformers'
     generation loop, one step each time every row has the logits of its next token."""
@@ -126,7 +131,7 @@ class GenerateMixin:
     generation_engine: Callable[[], Engine]
     _empty_cache: Callable[[], Qwen36HybridCache]
 
-    @on_every_rank(digest=lambda output: generated_digest(output), local=("streamer",))
+    @on_every_rank(digest=generated_digest, local=("streamer",))
     def generate(
         self,
         inputs: torch.Tensor | None = None,
@@ -336,8 +341,3 @@ def run_until(engine: Engine, done: Callable[[], bool]) -> None:
         engine.step()
         if engine.num_steps == steps:
             raise RuntimeError("the engine planned nothing while generate() rows wait for their logits")
-
-
-def generated_digest(output: torch.Tensor | GenerateDecoderOnlyOutput) -> str:
-    """The tokens a generate() call produced: every rank must produce the same."""
-    return tensor_digest(output if isinstance(output, torch.Tensor) else output.sequences)

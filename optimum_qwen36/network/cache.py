@@ -103,17 +103,20 @@ class CacheStorage:
         traced with its shapes (the KV block count is a dynamic dimension: `num_blocks` changes nothing
         compiled; `snapshot_slots` is the backend's `prefill_snapshots`). With prefix caching, as many
         blocks again as the rows own, for the cached prefixes."""
-        nc = neuron_config
-        blocks = 1 + 2 * nc.batch_size * nc.max_blocks_per_sequence if nc.prefix_caching else None
+        blocks = (
+            1 + 2 * neuron_config.batch_size * neuron_config.max_blocks_per_sequence
+            if neuron_config.prefix_caching
+            else None
+        )
         return cls(
             config,
-            nc.batch_size,
-            nc.sequence_length,
-            nc.kv_block_size,
-            nc.torch_dtype,
+            neuron_config.batch_size,
+            neuron_config.sequence_length,
+            neuron_config.kv_block_size,
+            neuron_config.torch_dtype,
             device=device,
             num_blocks=num_blocks or blocks,
-            num_speculative_tokens=nc.num_speculative_tokens,
+            num_speculative_tokens=neuron_config.num_speculative_tokens,
             snapshot_slots=snapshot_slots,
         )
 

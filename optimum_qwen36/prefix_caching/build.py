@@ -28,22 +28,21 @@ def build_prefix_cache(
     )
     # K and V of one block across every attention layer.
     kv_bytes = 2 * kv.key_cache[:, 0].numel() * kv.key_cache.element_size()
-    nc = neuron_config
     # States depend on the weights, their dtype and the backend's numerics: salt every key with them.
     identity = "|".join(
         (
-            str(nc.checkpoint_id),
-            str(nc.checkpoint_revision),
-            nc.dtype,
-            nc.backend,
+            str(neuron_config.checkpoint_id),
+            str(neuron_config.checkpoint_revision),
+            neuron_config.dtype,
+            neuron_config.backend,
             model_config.to_json_string(),
         )
     )
     config = PrefixCacheConfig(
-        budget_bytes=nc.prefix_cache_bytes,
+        budget_bytes=neuron_config.prefix_cache_bytes,
         block_size=kv.block_size,
-        granularity=nc.prefix_cache_granularity,
-        checkpoint_interval=nc.prefix_cache_interval,
+        granularity=neuron_config.prefix_cache_granularity,
+        checkpoint_interval=neuron_config.prefix_cache_interval,
         identity=hashlib.sha256(identity.encode()).hexdigest(),
     )
     return PrefixCache(config, num_blocks=kv.key_cache.shape[1], kv_bytes_per_block=kv_bytes, state_spec=spec)
