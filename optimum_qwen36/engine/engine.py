@@ -338,10 +338,10 @@ class Engine:
         for chooser, offered in offers.values():
             for request_id, choice in chooser.choose(offered).items():
                 request = self._requests.get(request_id)
-                if request is None or request.chooser is not chooser or request.has_new_token:
+                if request is None or request.chooser is not chooser:
                     raise RuntimeError(
-                        f"a token chooser picked a token for request {request_id!r}, which "
-                        "is not one of its requests waiting for a token"
+                        f"a token chooser picked a token for request {request_id!r}, which is not one of "
+                        "its requests"
                     )
                 if choice.filler and request.filler_from is None:
                     request.filler_from = request.num_tokens
