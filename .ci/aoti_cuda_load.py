@@ -14,7 +14,8 @@ CHILD = """
 import sys
 import torch
 sys.path.insert(0, {root!r})
-from optimum_qwen36.exporters.aoti import CompiledGraph, DEFAULT_INDUCTOR_CONFIGS
+from optimum_qwen36.backends.compiled_graph import CompiledGraph
+from optimum_qwen36.exporters.aoti import DEFAULT_INDUCTOR_CONFIGS
 
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
 x = torch.randn(4, 64, device="cuda")

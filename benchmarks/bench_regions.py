@@ -28,9 +28,11 @@ from bench_generate import random_checkpoint
 from timing import alternate, fmt, machine, paired_ratios, spread, wall
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters.aoti import CompiledGraph, compile_method
-from optimum_qwen36.exporters.backends import graphs_to_compile, linears_mode, model_tensors
-from optimum_qwen36.exporters.base import blocks_in_use, example_step_args
+from optimum_qwen36.backends.base import blocks_in_use
+from optimum_qwen36.backends.compiled_graph import CompiledGraph, model_tensors
+from optimum_qwen36.exporters.aoti import compile_method
+from optimum_qwen36.exporters.compile_aoti import graphs_to_compile, linears_mode
+from optimum_qwen36.exporters.example_args import example_step_args
 from optimum_qwen36.network.cache import CacheStorage
 from optimum_qwen36.ops.native import bf16_linear_vectorized, bf16_matmul_instructions
 

@@ -37,7 +37,8 @@ from timing import command_line, machine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters import aoti, regions
+from optimum_qwen36.backends import compiled_graph, regions
+from optimum_qwen36.exporters import aoti
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATMUL_NAMES = ("bf16_linear", "aten::mm", "aten::addmm", "aten::linear", "cpu_mm_out", "cpu_addmm_out")
@@ -53,7 +54,7 @@ def region_of(package_path: str) -> str:
 def scoped_regions():
     """Every compiled graph call inside a record_function scope named `region:<region>`, and the step inputs
     inside `region:inputs`."""
-    call, inputs = aoti.CompiledGraph.__call__, regions.RegionalStep.decoder_output
+    call, inputs = compiled_graph.CompiledGraph.__call__, regions.RegionalStep.decoder_output
 
     def scoped_call(self, *args):
         with record_function(f"region:{region_of(self.package_path)}"):
@@ -72,12 +73,12 @@ def scoped_regions():
         finally:
             self._inputs = original
 
-    aoti.CompiledGraph.__call__ = scoped_call
+    compiled_graph.CompiledGraph.__call__ = scoped_call
     regions.RegionalStep.decoder_output = scoped_decoder_output
     try:
         yield
     finally:
-        aoti.CompiledGraph.__call__ = call
+        compiled_graph.CompiledGraph.__call__ = call
         regions.RegionalStep.decoder_output = inputs
 
 

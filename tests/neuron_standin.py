@@ -1,6 +1,6 @@
 """A stand-in for TorchNeuron (torch-neuronx) in tests without the Neuron SDK. It does what the neuron backend
 relies on, the way the real package does it (per the torch-neuronx source cited in
-optimum_qwen36/exporters/neuron.py):
+optimum_qwen36/backends/neuron.py and docs/EXPORT.md, "Neuron"):
 
 - `import torch_neuronx` works; `torch_neuronx.nki_op(name, mutates_args=...)` registers a custom op.
 - `torch.compile(fn, backend="neuron", ...)` is lazy: a graph is built on the first call with a new input
@@ -315,7 +315,7 @@ class StandInNeuronSDK:
 def install_in_this_process(root: Path) -> StandInNeuronSDK:
     """The stand-in in a process a test started (`reach_new_processes`; tests/neuron_standin_site), for the
     process's lifetime, as the `sdk` fixture of the tests installs it."""
-    from optimum_qwen36.exporters import neuron
+    from optimum_qwen36.backends import neuron
 
     sdk = StandInNeuronSDK(root / "default-neff-cache", log=root / f"events-{os.getpid()}.jsonl")
     sdk.install(pytest.MonkeyPatch())

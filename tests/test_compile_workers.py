@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from optimum_qwen36.backends.compiled_graph import CompiledGraph
 from optimum_qwen36.exporters import compile_workers
-from optimum_qwen36.exporters.aoti import CompiledGraph, bound_constants, export_method, package_program
+from optimum_qwen36.exporters.aoti import bound_constants, export_method, package_program
 from optimum_qwen36.exporters.compile_workers import CompilePool, CompileWorkerError, default_workers
 from optimum_qwen36.ops.native import load_native_ops
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from optimum_qwen36.exporters.aoti import CompiledGraph, CopyingMutationError, compile_method
+from optimum_qwen36.backends.compiled_graph import CompiledGraph
+from optimum_qwen36.exporters.aoti import CopyingMutationError, compile_method
 
 BLOCK, BLOCKS, HEADS, DIM, SLOTS = 4, 32, 2, 8, 3
 
@@ -188,12 +189,12 @@ def test_without_the_graph_runner_graphs_run_through_torchs_loader(
     compiled, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the extension cannot be built, torch's loader runs the same graph (holding the GIL)."""
-    from optimum_qwen36.exporters import aoti
+    from optimum_qwen36.backends import compiled_graph
 
     _, package, weights = compiled
     tensors = load_file(weights)
     expected = CompiledGraph(package, tensors)(*_args())
-    monkeypatch.setattr(aoti, "graph_runner_module", lambda: None)
+    monkeypatch.setattr(compiled_graph, "graph_runner_module", lambda: None)
     torch.testing.assert_close(CompiledGraph(package, tensors)(*_args()), expected, rtol=0, atol=0)
 
 

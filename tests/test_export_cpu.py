@@ -24,12 +24,14 @@ from test_packed_prefill import (
 )
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.backends import aoti
+from optimum_qwen36.backends.base import COMPILED_DIR
 from optimum_qwen36.cli import main as cli_main
 from optimum_qwen36.engine import EngineRequest, SamplingParams
-from optimum_qwen36.exporters import artifact, backends, regions
-from optimum_qwen36.exporters.backends import graphs_to_compile
-from optimum_qwen36.exporters.base import example_step_args
+from optimum_qwen36.exporters import artifact, compile_aoti, regions
+from optimum_qwen36.exporters.compile_aoti import graphs_to_compile
 from optimum_qwen36.exporters.compile_cache import CompileCache
+from optimum_qwen36.exporters.example_args import example_step_args
 from optimum_qwen36.network.cache import PADDING_SLOT
 
 BACKEND = os.environ.get("OPTIMUM_QWEN36_TEST_BACKEND", "cpu")
@@ -93,7 +95,7 @@ def test_graphs_of_the_pytorch_twins_equal_transformers(exported, tmp_path: Path
     """The graphs the cuda backend compiles (attention, GDN and linears as their PyTorch twins, whole prefill
     chunks), compiled and run here on the CPU."""
     checkpoint, reference, _, _, _ = exported
-    monkeypatch.setattr(backends, "uses_cpu_kernels", lambda device_type: False)
+    monkeypatch.setattr(compile_aoti, "uses_cpu_kernels", lambda device_type: False)
     model = NeuronQwen36ForCausalLM.from_pretrained(
         checkpoint, export=True, backend="cpu", compile_cache_dir=tmp_path, **SETTINGS
     )
@@ -115,13 +117,13 @@ def test_saved_artifact_loads_in_a_fresh_process_without_compiling(exported) -> 
     assert steps == ["prefill_chunk", "decode_step"]  # no speculative decoding
     layers = {f"{step}.{kind}.pt2" for step in steps for kind in ("linear_attention", "full_attention")}
     heads = {"prefill_chunk.head.pt2", "decode_step.head.pt2"}
-    assert {p.name for p in (saved / backends.COMPILED_DIR).iterdir()} >= layers | heads
+    assert {p.name for p in (saved / COMPILED_DIR).iterdir()} >= layers | heads
     script = f"""
 import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import StubHubRepo, left_padded_prompts
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.exporters import backends, regions
+from optimum_qwen36.exporters import regions
 def refuse(*args, **kwargs):
     raise AssertionError("compiled at load")
 regions.CompilePool = refuse
@@ -162,7 +164,7 @@ def test_second_export_reuses_the_compile_cache(exported, no_compilation) -> Non
 def test_tampered_or_mismatched_artifacts_are_refused(exported, tmp_path: Path, no_compilation) -> None:
     saved = exported[4]
     tampered = shutil.copytree(saved, tmp_path / "tampered")
-    graph = tampered / backends.COMPILED_DIR / "decode_step.linear_attention.pt2"
+    graph = tampered / COMPILED_DIR / "decode_step.linear_attention.pt2"
     data = bytearray(graph.read_bytes())
     data[len(data) // 2] ^= 0xFF
     graph.write_bytes(bytes(data))
@@ -381,7 +383,7 @@ def test_attention_reads_only_the_blocks_in_use(
         narrow = model.generate(prompt, **kwargs)
         narrow_widths = widths[:]
         with monkeypatch.context() as full_width:
-            full_width.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
+            full_width.setattr(aoti, "blocks_in_use", lambda method, args, cut_tokens: args)
             full = model.generate(prompt, **kwargs)
     finally:
         model.backend.graphs = graphs
@@ -496,7 +498,7 @@ def test_prefill_computes_only_the_valid_tokens(
             trimmed = model.generate(prompt, **kwargs)
             seen[length] = counts[:]
             with monkeypatch.context() as padded:
-                padded.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
+                padded.setattr(aoti, "blocks_in_use", lambda method, args, cut_tokens: args)
                 whole = model.generate(prompt, **kwargs)
             assert torch.equal(trimmed.sequences, whole.sequences)
             for a, b in zip(trimmed.logits, whole.logits, strict=True):
@@ -518,8 +520,8 @@ def test_a_saved_artifact_prefills_as_its_export_decided(
     build would decide otherwise, the artifact still runs its graphs as they were compiled."""
     _, _, _, model, saved = exported
     recorded = model.backend.packs_prefill
-    assert (saved / backends.COMPILED_DIR / backends.STEP_SHAPES).is_file()
-    monkeypatch.setattr(backends, "prefill_takes_any_tokens", lambda *args, **kwargs: not recorded)
+    assert (saved / COMPILED_DIR / aoti.STEP_SHAPES).is_file()
+    monkeypatch.setattr(compile_aoti, "prefill_takes_any_tokens", lambda *args, **kwargs: not recorded)
     loaded = NeuronQwen36ForCausalLM.from_pretrained(saved)
     assert loaded.backend.packs_prefill == recorded
     assert torch.equal(_greedy(loaded), _greedy(model))

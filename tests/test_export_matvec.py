@@ -12,13 +12,10 @@ from helpers import engine_storage
 from torch import nn
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36.backends.aoti import AOTIBackend
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.backends import (
-    AOTIBackend,
-    graphs_to_compile,
-    linears_mode,
-)
-from optimum_qwen36.exporters.base import example_step_args
+from optimum_qwen36.exporters.compile_aoti import graphs_to_compile, linears_mode
+from optimum_qwen36.exporters.example_args import example_step_args
 from optimum_qwen36.exporters.matvec import (
     DecodeLinears,
     matrix_vector_linear,
@@ -252,9 +249,9 @@ def test_widened_linear_is_the_float32_product_rounded_once() -> None:
 def test_decode_runs_the_compiled_step_and_refuses_too_few_rows(
     monkeypatch: pytest.MonkeyPatch, graphs: tuple[str, ...]
 ) -> None:
-    from optimum_qwen36.exporters import backends
+    from optimum_qwen36.backends import aoti
 
-    monkeypatch.setattr(backends, "blocks_in_use", lambda method, args, cut_tokens: args)
+    monkeypatch.setattr(aoti, "blocks_in_use", lambda method, args, cut_tokens: args)
     backend = AOTIBackend.__new__(AOTIBackend)
     backend.packs_prefill = False
     backend.device = "cpu"

@@ -33,9 +33,10 @@ from neuron_standin import (
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36 import nki as nki_ops
+from optimum_qwen36.backends import neuron
 from optimum_qwen36.distributed.group import TensorParallelWorkerError
 from optimum_qwen36.engine import EngineRequest, SamplingParams
-from optimum_qwen36.exporters import artifact, neuron
+from optimum_qwen36.exporters import artifact
 
 SETTINGS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, dtype="float32")
 STEP_OPTIONS = dict(backend="neuron", fullgraph=True, dynamic=False)

@@ -1,4 +1,4 @@
-"""How a model is cut into compiled regions (exporters/regions.py): one graph per distinct layer kind.
+"""How a model is cut into compiled regions (backends/regions.py): one graph per distinct layer kind.
 
 The compiled regions themselves are checked against eager and transformers wherever a cpu model is
 exported (test_export_cpu.py, test_export_configs.py, test_fp8.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_text_config
 
-from optimum_qwen36.exporters.regions import StepShapes, layer_kinds, step_files
+from optimum_qwen36.backends.regions import StepShapes, layer_kinds, step_files
 from optimum_qwen36.network.model import Qwen36ForCausalLM
 from optimum_qwen36.network.quantization import Fp8Quantization, replace_with_fp8_linears
 

@@ -11,7 +11,7 @@ from helpers import engine_storage, needs_bf16_kernels
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.aoti import _MethodAsForward
-from optimum_qwen36.exporters.base import example_step_args
+from optimum_qwen36.exporters.example_args import example_step_args
 from optimum_qwen36.network.model import Qwen36Attention
 from optimum_qwen36.ops.attention import (
     paged_attention_native,

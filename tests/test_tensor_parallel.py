@@ -399,9 +399,9 @@ def test_cpu_tensor_parallelism_needs_the_graph_runner(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the runner that releases the GIL, a rank's graphs could deadlock on their collectives."""
-    from optimum_qwen36.exporters import aoti
+    from optimum_qwen36.backends import compiled_graph
 
-    monkeypatch.setattr(aoti, "graph_runner_module", lambda: None)
+    monkeypatch.setattr(compiled_graph, "graph_runner_module", lambda: None)
     with pytest.raises(RuntimeError, match="needs the graph runner extension"):
         NeuronQwen36ForCausalLM.from_pretrained(
             checkpoint, export=True, backend="cpu", tp_degree=2, **SETTINGS

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..exporters.base import StepBackend
+from ..backends.base import StepBackend
 from ..network.cache import CacheStorage
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer

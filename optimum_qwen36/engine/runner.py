@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..exporters.base import StepBackend
+from ..backends.base import StepBackend
 from ..network.cache import PADDING_SLOT, CacheStorage
 
 

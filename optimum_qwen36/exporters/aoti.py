@@ -1,9 +1,9 @@
-"""Compile a module's method to an AOTInductor package (`.pt2`) and run it with weights bound at load.
+"""Compile a module's method to an AOTInductor package (`.pt2`) whose weights are bound at load.
 
 The weights are NOT compiled into the package (`aot_inductor.package_constants_in_so=False`): they stay in
-safetensors files and are handed to the loaded runner with `load_constants(..., user_managed=True)`, which
-keeps our (memory-mapped) tensors instead of copying them. One set of weight tensors then serves every graph
-of a model (prefill and decode), and the `.pt2` holds only code (about 2 MB for the tiny test model).
+safetensors files and are bound to the loaded runner (backends/compiled_graph.py), so one set of weight
+tensors serves every graph of a model (prefill and decode), and the `.pt2` holds only code (about 2 MB for
+the tiny test model).
 
 Cache tensors are ordinary graph inputs that the graph mutates. Inductor writes such a mutation in place only
 when the functional graph updates the input with `index_put` chains on the *whole* tensor; a mutation through
@@ -14,8 +14,6 @@ it back" on every call. `compile_method` checks this and refuses such graphs (se
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import inspect
 import logging
 import operator
@@ -29,7 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..ops.native import build_extension
+from ..backends.compiled_graph import unwrapped
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +45,12 @@ DEFAULT_INDUCTOR_CONFIGS: dict[str, Any] = {
     "freezing": False,
 }
 
-# Prefix of the model's names inside the wrapper that `torch.export` sees.
-_WRAPPED = "model."
 _INPLACE_WRITE_OPS = (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default)
 
 
 class _MethodAsForward(nn.Module):
-    """`torch.export` traces `forward`; this makes `model.<method>` the forward of a thin wrapper."""
+    """`torch.export` traces `forward`; this makes `model.<method>` the forward of a thin wrapper (so the
+    graph's constants are named "model.<name>": `compiled_graph.WRAPPED_PREFIX`)."""
 
     def __init__(self, model: nn.Module, method: str) -> None:
         super().__init__()
@@ -210,7 +207,7 @@ def bound_constants(
     # A tied weight is bound under one of its names.
     bound_tensors = {id(tensors[name]) for name in bindable if name in tensors}
     baked_in = sorted(
-        _unwrapped(name)
+        unwrapped(name)
         for name in (*signature.parameters, *signature.buffers)
         if name not in bindable and id(tensors[name]) not in bound_tensors
     )
@@ -220,87 +217,4 @@ def bound_constants(
             "at load: it would compute with these values for any checkpoint. Compile with inductor config "
             "always_keep_tensor_constants=True."
         )
-    return {_unwrapped(name): t.detach() for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-
-
-def _unwrapped(name: str) -> str:
-    return name.removeprefix(_WRAPPED)
-
-
-GRAPH_RUNNER_SOURCE = Path(__file__).parent / "csrc" / "graph_runner.cpp"
-
-
-@functools.cache
-def graph_runner_module() -> Any:
-    """The extension whose `GraphRunner` runs a package with the GIL released (built on first use, cached
-    like torch's C++ extensions); None, with a warning, where it cannot be built."""
-    digest = hashlib.sha256(torch.__version__.encode() + GRAPH_RUNNER_SOURCE.read_bytes()).hexdigest()[:12]
-    _, module = build_extension(
-        "The graph runner",
-        f"optimum_qwen36_graph_runner_{digest}",
-        [GRAPH_RUNNER_SOURCE],
-        ["-O2"],
-        python_module=True,
-        fallback="compiled graphs run through torch's loader, which holds the GIL while a graph runs (other "
-        "Python threads wait for it).",
-    )
-    return module
-
-
-def graph_runner_releases_gil() -> bool:
-    """Whether compiled graphs run with the GIL released here (tensor parallelism needs it: a rank's gloo
-    thread takes the GIL to drop a finished collective's tensors while a graph waits on the next one)."""
-    return graph_runner_module() is not None
-
-
-class CompiledGraph:
-    """A loaded `.pt2` with its weights bound; call it with the flat tensor arguments of the method. It runs
-    with the GIL released where the graph runner extension builds (`graph_runner_module`)."""
-
-    def __init__(
-        self, package_path: str | os.PathLike, constants: Mapping[str, torch.Tensor], device: str = "cpu"
-    ) -> None:
-        device_index = torch.device(device).index
-        device_index = -1 if device_index is None else device_index
-        # A graph checks its inputs' dtypes, sizes and strides against what it was compiled for only where
-        # this is set (read at its first call); unchecked, a mismatched call reads past its tensors.
-        os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
-        module = graph_runner_module()
-        if module is not None:
-            runner = module.GraphRunner(str(package_path), device_index=device_index)
-        else:
-            runner = torch._inductor.aoti_load_package(str(package_path), device_index=device_index).loader
-        # Constants are named as in the wrapper the graph was exported from ("model.<name>").
-        needed = runner.get_constant_fqns()
-        missing = sorted(_unwrapped(n) for n in needed if _unwrapped(n) not in constants)
-        if missing:
-            # A runner called with unbound constants crashes the process (segfault): refuse here instead.
-            raise KeyError(
-                f"{package_path} needs weights that were not provided: {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}. The weights file does not belong to this graph: "
-                "re-export the model."
-            )
-        bound = {name: constants[_unwrapped(name)] for name in needed}
-        # user_managed: the runner keeps pointers to our tensors (no copy); we keep them alive in self.
-        runner.load_constants(bound, False, True, True)  # use_inactive, check_full_update, user_managed
-        self._constants = bound
-        # run() directly: no pytree flatten/unflatten as in torch's runner.__call__ (~0.2 ms per call).
-        self._runner = runner
-        self.package_path = str(package_path)
-
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        try:
-            outputs = self._runner.run(list(args))
-        except RuntimeError as error:
-            if "input_handles" not in str(error):  # not the input check's
-                raise
-            shapes = [(tuple(arg.shape), arg.stride(), str(arg.dtype)) for arg in args]
-            raise RuntimeError(
-                f"{self.package_path} was called with inputs it was not compiled for ({error}); inputs "
-                f"(shape, stride, dtype): {shapes}"
-            ) from error
-        return outputs[0] if len(outputs) == 1 else outputs
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        return dict(self._runner.get_metadata())
+    return {unwrapped(name): t.detach() for name, t in tensors.items() if isinstance(t, torch.Tensor)}

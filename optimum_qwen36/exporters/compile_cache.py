@@ -56,14 +56,22 @@ def default_cache_dir() -> Path:
     return Path(base) / "optimum-qwen36"
 
 
+# The exporters' and backends' modules that decide what the compiled cpu/cuda graphs are (how they are
+# traced and cut, with what arguments) or how the runtime reads them (file names, shapes, bound constants).
+_EXPORTER_SOURCES = ("aoti.py", "compile_aoti.py", "example_args.py", "matvec.py", "regions.py")
+_BACKEND_SOURCES = ("aoti.py", "base.py", "compiled_graph.py", "regions.py")
+
+
 def graph_sources() -> list[Path]:
     """The code the compiled graphs come from: the model, every op it calls (PyTorch forms and native
-    sources), the NKI twins, and how this package exports them."""
+    sources), the NKI twins, and how this package exports and loads them."""
+    from .. import backends
     from ..network import model, quantization
     from ..nki import kernels
     from ..ops import native
 
     kernel_dir = Path(kernels.__file__).parent
+    backend_dir = Path(backends.__file__).parent
     return [
         Path(model.__file__),
         Path(quantization.__file__),
@@ -71,10 +79,8 @@ def graph_sources() -> list[Path]:
         *native.FILES,
         kernel_dir.parent / "__init__.py",
         *sorted(kernel_dir.glob("*_torch.py")),
-        *(
-            Path(__file__).parent / name
-            for name in ("aoti.py", "backends.py", "base.py", "matvec.py", "regions.py")
-        ),
+        *(Path(__file__).parent / name for name in _EXPORTER_SOURCES),
+        *(backend_dir / name for name in _BACKEND_SOURCES),
     ]
 
 

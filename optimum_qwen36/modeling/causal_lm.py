@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 
 from transformers import GenerationConfig, PretrainedConfig
 
+from ..backends.base import StepBackend
 from ..distributed.lockstep import LockstepBackend
 from ..distributed.replicated import Driver, Replicas, on_every_rank
 from ..engine import Engine
 from ..engine.replicated import ReplicatedEngine
-from ..exporters.base import StepBackend
 from ..network.cache import CacheStorage
 from ..network.model import Qwen36ForCausalLM
 from ..network.neuron_config import Qwen36NeuronConfig

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
+from ..backends.base import COMPILED_DIR
+from ..backends.compiled_graph import graph_runner_releases_gil
+from ..backends.neuron import NEURON_COLLECTIVES, prepare_tensor_parallel_rank, tensor_parallel_environments
 from ..distributed.group import GLOO, TensorParallelGroup, launch, under_torchrun
 from ..distributed.replicated import Driver, Worker, serve_driver
 from ..exporters import artifact
-from ..exporters.aoti import graph_runner_releases_gil
-from ..exporters.backends import COMPILED_DIR, create_backend, default_backend
 from ..exporters.compile_cache import CompileCache, make_compile_cache
-from ..exporters.neuron import NEURON_COLLECTIVES, prepare_tensor_parallel_rank, tensor_parallel_environments
+from ..exporters.factory import create_backend, default_backend
 from ..network.config import is_multimodal_layout, load_config, text_config_of
 from ..network.neuron_config import Qwen36NeuronConfig, dtype_name
 from ..network.quantization import Fp8Quantization

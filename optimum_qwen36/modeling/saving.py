@@ -13,10 +13,10 @@ import torch
 from huggingface_hub import HfApi, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from ..backends.base import COMPILED_DIR
 from ..distributed.group import COLLECTIVE_TIMEOUT, TensorParallelWorkerError
 from ..distributed.replicated import Driver, on_every_rank
 from ..exporters import artifact
-from ..exporters.backends import COMPILED_DIR
 from ..network.quantization import SCALE_SUFFIX
 from ..network.sharding import sharding_plan, unshard_scale, unshard_tensor
 from ..ops.fp8 import FP8_DTYPE

@@ -1,5 +1,5 @@
-"""What a backend is: the steps of the model, however they were compiled, and the arguments they are
-traced with."""
+"""What a backend is: the steps of the model, however they were compiled, and how a step's arguments are
+cut to what its graphs take (every backend and the engine use these)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from typing import Protocol
 
 import torch
 
-from ..network.cache import CacheStorage
-from ..network.model import Qwen36ForCausalLM
-from ..network.neuron_config import Qwen36NeuronConfig
+# Where a saved model keeps what its backend compiled (`StepBackend.save`): <model directory>/compiled/.
+COMPILED_DIR = "compiled"
 
 
 class StepBackend(Protocol):
@@ -67,9 +66,10 @@ class StepBackend(Protocol):
 
 
 # The fewest tokens a prefill graph takes, block-table columns a step passes, rows a batched step takes and
-# sequences a packed prefill graph takes: Inductor compiles dynamic sizes for 2 and up (`regions._dims`), so
-# a one-token chunk runs padded to 2 tokens, a one-block table passes a second (masked-out) column, one row
-# decodes padded to two, and one sequence prefills beside an empty one (`packed_prefill_args`).
+# sequences a packed prefill graph takes: Inductor compiles dynamic sizes for 2 and up
+# (`exporters/regions._dims`), so a one-token chunk runs padded to 2 tokens, a one-block table passes a
+# second (masked-out) column, one row decodes padded to two, and one sequence prefills beside an empty one
+# (`packed_prefill_args`).
 MIN_PREFILL_TOKENS = 2
 MIN_TABLE_BLOCKS = 2
 MIN_BATCH_ROWS = 2
@@ -141,131 +141,3 @@ def table_width(used: int, width: int) -> int:
     """How many of a block table's `width` columns a step passes when `used` hold its positions: at least
     MIN_TABLE_BLOCKS (the compiled graphs' dynamic width starts there; the extra block is masked out)."""
     return min(width, max(used, MIN_TABLE_BLOCKS))
-
-
-class EagerBackend:
-    """The reference backend: the model's own PyTorch code, uncompiled."""
-
-    name = "eager"
-    decodes_any_batch = True
-    min_step_rows = 1
-    packs_prefill = True
-    decodes_in_prefill = True
-    prefill_snapshots = PREFILL_SNAPSHOTS
-    per_rank_graphs = False  # no graphs
-
-    def __init__(self, model: Qwen36ForCausalLM) -> None:
-        self.model = model
-        self.device = str(next(model.parameters()).device)
-
-    @torch.no_grad()
-    def prefill_chunk(
-        self,
-        *args: torch.Tensor,
-        snapshot_ends: torch.Tensor | None = None,
-        snapshot_slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        used = blocks_in_use("prefill_chunk", args)
-        return self.model.prefill_chunk(*used, snapshot_ends, snapshot_slots)
-
-    @torch.no_grad()
-    def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model.decode_step(*blocks_in_use("decode_step", args))
-
-    @torch.no_grad()
-    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.prefill_chunk_hidden(*blocks_in_use("prefill_chunk", args))
-
-    @torch.no_grad()
-    def position_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.model.position_logits(normed)
-
-    @torch.no_grad()
-    def verify_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, start_pos, num_valid, slots, block_tables, key_cache, *states = args
-        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
-        return self.model.verify_step(input_ids, start_pos, num_valid, slots, tables, key_cache, *states)
-
-    @torch.no_grad()
-    def mtp_step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, hidden, start_pos, num_valid, block_tables, key_cache, value_cache = args
-        tables = rows_blocks_in_use(start_pos, num_valid, block_tables, key_cache.shape[2])
-        return self.model.mtp_step(input_ids, hidden, start_pos, num_valid, tables, key_cache, value_cache)
-
-    def save(self, directory: Path) -> None:
-        """Nothing compiled: the weights and settings the model saves are all it needs."""
-
-
-def example_step_args(
-    neuron_config: Qwen36NeuronConfig,
-    cache: CacheStorage,
-    hidden_size: int | None = None,
-    packed_prefill: bool = False,
-    prefill_snapshots: int = 0,
-) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Arguments of the shapes the callers pass, for tracing each graph (decode_step: the full batch; the
-    speculative steps need the model's `hidden_size`; `packed_prefill`: prefill_chunk as packed prefill
-    graphs take it)."""
-    chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
-    device = cache.key_cache.device
-
-    def scalar(value: int) -> torch.Tensor:
-        return torch.tensor(value, device=device)
-
-    prefill = (
-        torch.zeros((1, chunk), dtype=torch.long, device=device),
-        scalar(0),
-        scalar(chunk),
-        scalar(0),
-        cache.row_block_tables()[0],
-        *cache.step_tensors(),
-    )
-    if packed_prefill:
-        prefill = packed_prefill_args(prefill)
-    if prefill_snapshots:
-        prefill = (*prefill, *no_snapshots(prefill_snapshots, cache.scratch_slot, device))
-    decode = (
-        torch.zeros((batch, 1), dtype=torch.long, device=device),
-        torch.zeros(batch, dtype=torch.long, device=device),
-        torch.arange(batch, device=device),
-        cache.row_block_tables(),
-        *cache.step_tensors(),
-    )
-    row = (*(a[:1] for a in decode[:4]), *decode[4:])
-    examples = {"prefill_chunk": prefill, "decode_row": row, "decode_step": decode}
-    if neuron_config.num_speculative_tokens and hidden_size is not None:
-        examples.update(_speculative_step_args(neuron_config, cache, hidden_size))
-    return examples
-
-
-def _speculative_step_args(
-    neuron_config: Qwen36NeuronConfig, cache: CacheStorage, hidden_size: int
-) -> dict[str, tuple[torch.Tensor, ...]]:
-    """verify: k + 1 tokens of one row / every row; mtp: a whole chunk of one row / every row."""
-    device, batch = cache.key_cache.device, neuron_config.batch_size
-    fed = neuron_config.num_speculative_tokens + 1
-    tables = cache.row_block_tables()
-    chunk = neuron_config.prefill_chunk_size
-    verify = (
-        torch.zeros((batch, fed), dtype=torch.long, device=device),
-        torch.zeros(batch, dtype=torch.long, device=device),
-        torch.full((batch,), fed, dtype=torch.long, device=device),
-        torch.arange(batch, device=device),
-        cache.row_block_tables(),
-        *cache.step_tensors(),
-        *cache.spec_tensors(),
-    )
-    mtp = (
-        torch.zeros((batch, chunk), dtype=torch.long, device=device),
-        torch.zeros((batch, chunk, hidden_size), dtype=cache.key_cache.dtype, device=device),
-        torch.zeros(batch, dtype=torch.long, device=device),
-        torch.full((batch,), chunk, dtype=torch.long, device=device),
-        tables,
-        cache.key_cache,
-        cache.value_cache,
-    )
-
-    def one_row(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return (*(a[:1] for a in args[:5]), *args[5:])  # the first five arguments have a row dimension
-
-    return {"verify_row": one_row(verify), "verify_step": verify, "mtp_row": one_row(mtp), "mtp_step": mtp}
