@@ -155,7 +155,7 @@ def test_compile_key_changes_with_the_graph_source(monkeypatch: pytest.MonkeyPat
 def test_the_graph_source_covers_every_module_the_model_imports() -> None:
     """Every op module the model's code has loaded (attention, conv, GDN, FP8, the NKI kernels' PyTorch
     twins) is part of the compile key's graph source: editing any of them recompiles."""
-    from optimum_qwen36.modeling import qwen36  # noqa: F401  (loads the ops it calls)
+    from optimum_qwen36.network import model  # noqa: F401  (loads the ops it calls)
 
     hashed = {path.resolve() for path in compile_cache.graph_sources()}
     ops = [

@@ -11,7 +11,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
@@ -39,9 +39,6 @@ from ..network.weights import (
 from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 from ..tokenizer import has_tokenizer_files
-
-if TYPE_CHECKING:
-    from .causal_lm import NeuronModelForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +153,7 @@ class ExportMixin:
         compile_cache: CompileCache | None = None,
         compiled_dir: str | os.PathLike | None = None,
         tp_group: TensorParallelGroup | None = None,
-    ) -> NeuronModelForCausalLM:
+    ) -> Self:
         """Build the model for `neuron_config.backend` from a transformers checkpoint (dir or Hub id).
 
         Compiled backends take their graphs from `compile_cache` when it holds them (else compile and
@@ -252,7 +249,7 @@ class ExportMixin:
         compile_cache_repo: str | None = None,
         use_compile_cache: bool = True,
         **neuron_config_kwargs: Any,
-    ) -> NeuronModelForCausalLM:
+    ) -> Self:
         """Load a saved model, or with `export=True` export a transformers checkpoint first
         (`neuron_config_kwargs` as for `get_neuron_config`: batch_size, sequence_length, dtype, ...).
 
@@ -301,12 +298,12 @@ class ExportMixin:
 
 
 def _export_rank(
-    cls: type[NeuronModelForCausalLM],
+    cls: type[ExportMixin],
     model_id: str | os.PathLike,
     neuron_config: Qwen36NeuronConfig,
     options: dict[str, Any],
     group: TensorParallelGroup,
-) -> NeuronModelForCausalLM:
+) -> ExportMixin:
     """One rank's model of a tensor-parallel export (run in every process of the group)."""
     return cls.export(model_id, neuron_config, tp_group=group, **options)
 
