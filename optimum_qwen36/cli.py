@@ -39,7 +39,7 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=SUPPORTED_BACKENDS,
         default=None,
-        help="what to compile for (default: cpu; cuda does not work yet: see the README; eager: uncompiled)",
+        help="what to compile for (default: cpu; eager: uncompiled; cuda: see 'What runs where', README)",
     )
     parser.add_argument(
         "--batch-size",

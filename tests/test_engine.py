@@ -485,11 +485,12 @@ def test_a_request_waiting_for_its_chooser_is_not_preempted(cold) -> None:
     request = engine.request(picked)
     assert not request.has_new_token and request.num_preemptions == 0 and picked in chooser.offers
     assert hogging.num_preemptions > 0
+    engine.abort(hog)  # it would preempt itself forever: the waiting request holds the block it needs
     chooser.held.clear()
     trigger = engine.add_request(EngineRequest(tokens(5, 84), SamplingParams(max_tokens=1), chooser=chooser))
     chooser.request_ids.append(trigger)
     while len(request.output_ids) < 2:
-        engine.step()
+        engine.step()  # the trigger's logits make the chooser pick for both
     assert request.output_ids[0] == int(
         solo(cold, tokens(30, 83), SamplingParams(temperature=0)).output_ids[0]
     )
