@@ -1,8 +1,8 @@
 """Tensor parallelism: a model split over 2 processes (gloo, fp32; the eager backend, and the cpu backend's
 compiled graphs with the collectives inside) gives the tokens of one process and logits within 1e-5 of the
 largest, on a configuration that exercises the awkward cases (one KV head for 2 ranks: replicated; 6 GDN
-value heads over 2 key heads: HV / H = 3), through generate() and the engine, with prefix caching on; the
-sharding plan's checks; saving and loading; a killed worker."""
+value heads over 2 key heads: HV / H = 3), through generate() and the engine, with prefix caching on; a
+vocabulary 2 does not divide (padded); the sharding plan's checks; saving and loading; a killed worker."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,6 +50,9 @@ AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
 FP8_BLOCK = (16, 16)
 SETTINGS = dict(batch_size=3, sequence_length=256, prefill_chunk_size=32)
 VOCAB = 512
+# A fine-tuned checkpoint's vocabulary with added tokens: at tp=2 each rank holds 516 rows, rank 1's last
+# one padding.
+ODD_VOCAB = 1031
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,11 @@ def assert_logits_close(reference: torch.Tensor, other: torch.Tensor) -> None:
     assert (reference - other).abs().max() <= 1e-5 * scale
 
 
-@pytest.mark.parametrize("overrides", [AWKWARD, {"tie_word_embeddings": True}], ids=["kv-replicated", "tied"])
+@pytest.mark.parametrize(
+    "overrides",
+    [AWKWARD, {"tie_word_embeddings": True}, {"vocab_size": ODD_VOCAB}],
+    ids=["kv-replicated", "tied", "odd-vocab"],
+)
 def test_sharding_plan_splits_and_joins_every_tensor(overrides: dict) -> None:
     config = tiny_text_config(**overrides)
     torch.manual_seed(0)
@@ -100,6 +108,9 @@ def test_sharding_plan_splits_and_joins_every_tensor(overrides: dict) -> None:
         shards = [shard_tensor(config, name, tensor, rank, 2) for rank in range(2)]
         assert all(s.shape == local_shapes[name] for s in shards), name
         assert torch.equal(unshard_tensor(config, name, shards, 2), tensor), name
+    if config.vocab_size % 2:  # rank 1's last row pads the vocabulary
+        head = shard_tensor(config, "lm_head.weight", model.lm_head.weight, 1, 2)
+        assert torch.equal(head[-1], torch.zeros(config.hidden_size))
     if config.num_key_value_heads == 1:  # the replicated KV head is the one both ranks' query heads read
         k_proj = model.model.layers[3].self_attn.k_proj.weight
         k_name = "model.layers.3.self_attn.k_proj.weight"
@@ -175,6 +186,54 @@ def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_official_fp8(root / "ckpt", seed=4, block=FP8_BLOCK, mtp_reference=reference, **AWKWARD)[0]
 
 
+def assert_two_processes_match_one(
+    directory: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: tuple[torch.Tensor, torch.Tensor],
+    served_prompts: list[list[int]],
+    backend: str,
+    **settings: Any,
+) -> tuple[dict[str, torch.Tensor], list]:
+    """Export `directory` with `settings` at tp=1 (eager) and at tp=2 on `backend`, and assert that tp=2
+    gives tp=1's greedy tokens and logits (within 1e-5) for `prompts` (input_ids, attention_mask), and the
+    engine's tokens and MTP drafts of tp=1 for `served_prompts`; that saved, its weights (and FP8 scales)
+    join back into exactly the tensors tp=1 saves; and that the saved model loads at tp=2 and gives the same
+    tokens and logits. Returns tp=2's saved tensors and tp=1's drafts."""
+    drafts = recording_drafts(monkeypatch)
+    compiled = {"backend": backend, "compile_cache_dir": tmp_path / "cache"} if backend == "cpu" else {}
+    input_ids, attention_mask = prompts
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    outputs, served, saved = [], [], []
+    for degree in (1, 2):
+        distributed = compiled if degree == 2 else {}
+        model = export_eager(directory, tp_degree=degree, **settings, **distributed, **SETTINGS)
+        outputs.append(model.generate(input_ids, attention_mask=attention_mask, **kwargs))
+        engine = model.create_engine()
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        ids = [engine.add_request(EngineRequest(prompt, params)) for prompt in served_prompts]
+        done = engine.run()
+        served.append(([done[i].output_ids for i in ids], list(drafts)))
+        drafts.clear()
+        del engine
+        model.save_pretrained(tmp_path / f"tp{degree}")
+        saved.append(load_file(tmp_path / f"tp{degree}" / "model.safetensors"))
+        del model
+        gc.collect()  # the workers leave before the next group starts
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    assert_logits_close(torch.stack(outputs[0].logits), torch.stack(outputs[1].logits))
+    assert served[0] == served[1]
+    assert saved[0].keys() == saved[1].keys()
+    for name, tensor in saved[0].items():
+        assert torch.equal(saved[1][name].view(torch.uint8), tensor.view(torch.uint8)), name
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "tp2")
+    assert loaded.neuron_config.tp_degree == 2
+    again = loaded.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert torch.equal(again.sequences, outputs[0].sequences)
+    assert_logits_close(torch.stack(outputs[0].logits), torch.stack(again.logits))
+    return saved[1], served[0][1]
+
+
 @pytest.mark.parametrize(
     "source,backend,speculative",
     [("fp8-checkpoint", "cpu", 0), ("fp8-checkpoint", "eager", 2), ("quantized-at-export", "eager", 2)],
@@ -199,44 +258,40 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
         directory, _ = save_tiny_checkpoint(tmp_path / "bf16", seed=6)
         add_random_mtp_weights(directory, tiny_text_config(), seed=6)
         quantize = {"quantization": "fp8", "fp8_modules": "linear"}
-    quantize["num_speculative_tokens"] = speculative
-    drafts = recording_drafts(monkeypatch)
-    compiled = {"backend": backend, "compile_cache_dir": tmp_path / "cache"} if backend == "cpu" else {}
-    input_ids, attention_mask = left_padded_prompts([40, 21, 9], VOCAB, seed=3)
-    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    outputs, served, saved = [], [], []
-    for degree in (1, 2):
-        backend_settings = compiled if degree == 2 else {}
-        model = export_eager(directory, tp_degree=degree, **quantize, **backend_settings, **SETTINGS)
-        assert model.neuron_config.quantization == "fp8"
-        outputs.append(model.generate(input_ids, attention_mask=attention_mask, **kwargs))
-        engine = model.create_engine()
-        ids = [
-            engine.add_request(
-                EngineRequest([3, 1, 4, 1, 5] * n, SamplingParams(max_tokens=12, temperature=0.0))
-            )
-            for n in (1, 7)
-        ]
-        done = engine.run()
-        served.append(([done[i].output_ids for i in ids], list(drafts)))
-        drafts.clear()
-        del engine
-        model.save_pretrained(tmp_path / f"tp{degree}")
-        saved.append(load_file(tmp_path / f"tp{degree}" / "model.safetensors"))
-        del model
-        gc.collect()  # the workers leave before the next group starts
-    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
-    assert_logits_close(torch.stack(outputs[0].logits), torch.stack(outputs[1].logits))
-    assert served[0] == served[1]
-    assert bool(served[0][1]) == bool(speculative)
-    assert saved[0].keys() == saved[1].keys()
-    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in saved[1].values())
-    for name, tensor in saved[0].items():
-        assert torch.equal(saved[1][name].view(torch.uint8), tensor.view(torch.uint8)), name
-    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "tp2")
-    assert loaded.neuron_config.tp_degree == 2
-    again = loaded.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    assert torch.equal(again.sequences, outputs[0].sequences)
+    prompts = left_padded_prompts([40, 21, 9], VOCAB, seed=3)
+    served_prompts = [[3, 1, 4, 1, 5] * n for n in (1, 7)]
+    saved, drafts = assert_two_processes_match_one(
+        directory, tmp_path, monkeypatch, prompts, served_prompts, backend,
+        num_speculative_tokens=speculative, **quantize,
+    )  # fmt: skip
+    assert bool(drafts) == bool(speculative)
+    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in saved.values())
+
+
+@pytest.mark.parametrize(
+    "backend,tied", [("eager", False), ("eager", True), ("cpu", False)], ids=["eager", "eager-tied", "cpu"]
+)
+def test_a_vocabulary_the_degree_does_not_divide_is_padded(
+    backend: str, tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vocabulary of 1031 tokens at tp=2 (516 rows a rank, rank 1's last one zero; the gathered logits cut
+    back to 1031) gives tp=1's tokens and logits [.., 1031], with prompts holding the last token of each
+    rank; MTP drafting (its own lm_head call) too, in the cpu backend's graphs as well; it saves tp=1's
+    [1031, hidden] tensors, tied or not, and loads again."""
+    overrides = dict(vocab_size=ODD_VOCAB, tie_word_embeddings=tied, **AWKWARD)
+    directory, _ = save_tiny_checkpoint(tmp_path / "ckpt", seed=7, **overrides)
+    add_random_mtp_weights(directory, tiny_text_config(**overrides), seed=7)
+    input_ids, attention_mask = left_padded_prompts([30, 12], ODD_VOCAB, seed=4)
+    input_ids[:, -2:] = torch.tensor([515, ODD_VOCAB - 1])  # rank 0's last token, rank 1's
+    served_prompts = [[ODD_VOCAB - 1, 515, 516, 3] * n for n in (1, 6)]
+    saved, drafts = assert_two_processes_match_one(
+        directory, tmp_path, monkeypatch, (input_ids, attention_mask), served_prompts, backend,
+        num_speculative_tokens=2,
+    )  # fmt: skip
+    assert drafts
+    hidden = tiny_text_config().hidden_size
+    assert saved["model.embed_tokens.weight"].shape == (ODD_VOCAB, hidden)
+    assert ("lm_head.weight" in saved) == (not tied)
 
 
 def test_fp8_blocks_a_split_would_cut_are_refused_before_any_worker_starts(tmp_path: Path) -> None:

@@ -63,18 +63,18 @@ _BACKEND_SOURCES = ("aoti.py", "base.py", "compiled_graph.py", "regions.py")
 
 
 def graph_sources() -> list[Path]:
-    """The code the compiled graphs come from: the model, every op it calls (PyTorch forms and native
-    sources), the NKI twins, and how this package exports and loads them."""
+    """The code the compiled graphs come from: the network (its layers, quantization, sharding plan), every
+    op it calls (PyTorch forms and native sources), the NKI twins, and how this package exports and loads
+    them."""
     from .. import backends
-    from ..network import model, quantization
+    from ..network import model
     from ..nki import kernels
     from ..ops import native
 
     kernel_dir = Path(kernels.__file__).parent
     backend_dir = Path(backends.__file__).parent
     return [
-        Path(model.__file__),
-        Path(quantization.__file__),
+        *sorted(Path(model.__file__).parent.glob("*.py")),
         *sorted(Path(native.__file__).parent.glob("*.py")),
         *native.FILES,
         kernel_dir.parent / "__init__.py",

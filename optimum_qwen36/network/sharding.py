@@ -13,15 +13,18 @@ and a narrower MLP, the same hidden size), so the model code knows nothing of TP
 - MLP: gate / up rows, down columns. Norms and the MTP layer's `fc` are replicated.
 - FP8 weights split like the weights they replace; a rank's `weight_scale_inv` holds the scales of its
   slice's blocks (`shard_scale`), which must each lie inside one block of the whole weight.
-- Embeddings and `lm_head` are vocab-parallel (rank r holds tokens [r V/N, (r + 1) V/N)): the embedding and
-  the output projection are most of the bytes a decode step reads on a small model, and replicating them
-  would make every rank read all of them.
+- Embeddings and `lm_head` are vocab-parallel (rank r holds tokens [r P, (r + 1) P), P = ceil(V / N)): the
+  embedding and the output projection are most of the bytes a decode step reads on a small model, and
+  replicating them would make every rank read all of them. As vLLM's `VocabParallelEmbedding` does, a
+  vocabulary the degree does not divide (a fine-tuned checkpoint's added tokens) is padded: the last ranks'
+  rows past V are zero, and the gathered logits are cut back to V, so a padding token is never sampled.
 - `parallelize` (gpt-fast's module surgery) adds the collectives: the outputs of `o_proj`, `out_proj` and
   `down_proj` are partial sums, summed over the ranks (a forward hook on each); the embedding gives zeros
-  for other ranks' tokens and is summed the same way; the lm_head's logits are gathered. Every rank then
-  holds the same hidden state after each mixer and MLP, and the same logits. The collectives are
-  torch.distributed's functional ones, so the same model code runs eagerly and exports into compiled
-  graphs (AOTInductor compiles them to calls of the process group registered as `GROUP_NAME`).
+  for other ranks' tokens and is summed the same way; the lm_head's logits are gathered (and cut to V).
+  Every rank then holds the same hidden state after each mixer and MLP, and the same logits. The
+  collectives are torch.distributed's functional ones, so the same model code runs eagerly and exports
+  into compiled graphs (AOTInductor compiles them to calls of the process group registered as
+  `GROUP_NAME`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class TensorParallelError(ValueError):
 
 
 def check_tp_degree(config: PretrainedConfig, degree: int) -> None:
-    """Raise unless every sharded count of the model divides by `degree` (KV heads: or divide it)."""
+    """Raise unless every sharded count of the model divides by `degree` (KV heads: or divide it; the
+    vocabulary is padded instead)."""
     problem = _degree_problem(config, degree)
     if problem is not None:
         raise TensorParallelError(f"{problem} Choose a degree among {valid_degrees(config)}.")
@@ -71,7 +75,6 @@ def _degree_problem(config: PretrainedConfig, degree: int) -> str | None:
         "linear_num_key_heads": config.linear_num_key_heads,
         "linear_num_value_heads": config.linear_num_value_heads,
         "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
     }
     for name, count in counts.items():
         if count % degree:
@@ -93,8 +96,14 @@ def valid_degrees(config: PretrainedConfig, limit: int = 64) -> list[int]:
     return [degree for degree in range(1, limit + 1) if _degree_problem(config, degree) is None]
 
 
+def vocab_rows_per_rank(vocab_size: int, degree: int) -> int:
+    """How many rows of the embedding and the lm_head each rank holds: ceil(V / N)."""
+    return -(-vocab_size // degree)
+
+
 def shard_config(config: PretrainedConfig, degree: int) -> PretrainedConfig:
-    """The config of one rank's model: its share of every head count and of the MLP width."""
+    """The config of one rank's model: its share of every head count, of the MLP width and of the
+    (padded) vocabulary, and in `gathered_vocab_size` the whole vocabulary its gathered logits cover."""
     local = copy.deepcopy(config)
     if degree == 1:
         return local
@@ -104,12 +113,22 @@ def shard_config(config: PretrainedConfig, degree: int) -> PretrainedConfig:
     local.linear_num_key_heads = config.linear_num_key_heads // degree
     local.linear_num_value_heads = config.linear_num_value_heads // degree
     local.intermediate_size = config.intermediate_size // degree
-    local.vocab_size = config.vocab_size // degree
+    local.vocab_size = vocab_rows_per_rank(config.vocab_size, degree)
+    local.gathered_vocab_size = config.vocab_size
     return local
 
 
 def _rows(tensor: torch.Tensor, rank: int, degree: int, dim: int = 0) -> torch.Tensor:
     return tensor.chunk(degree, dim=dim)[rank]
+
+
+def _vocab_rows(tensor: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """Rank `rank`'s rows of a vocab-parallel tensor [V, ...]: tokens [r P, (r + 1) P), P = ceil(V / N), the
+    rows past V zero."""
+    per_rank = vocab_rows_per_rank(tensor.shape[0], degree)
+    rows = tensor[rank * per_rank : (rank + 1) * per_rank]
+    padding = per_rank - rows.shape[0]
+    return torch.cat((rows, rows.new_zeros(padding, *rows.shape[1:]))) if padding else rows
 
 
 def _qkv_sections(config: PretrainedConfig, tensor: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
@@ -128,9 +147,14 @@ def _kv_heads(config: PretrainedConfig, tensor: torch.Tensor, rank: int, degree:
     return tensor.chunk(kv, dim=0)[rank // (degree // kv)]
 
 
+def _vocab_parallel(name: str) -> bool:
+    return name.rpartition(".")[0] in VOCAB_PARALLEL
+
+
 def split_kind(name: str) -> str:
-    """How the checkpoint tensor `name` is split: "qkv", "rows", "kv", "columns", "bias" (row-parallel
-    bias: rank 0 adds it) or "replicated"."""
+    """How the checkpoint tensor `name` is split: "qkv", "rows" (the vocab-parallel tensors: padded to
+    ceil(V / N) rows a rank), "kv", "columns", "bias" (row-parallel bias: rank 0 adds it) or
+    "replicated"."""
     module, _, kind = name.rpartition(".")
     if re.search(r"linear_attn\.(in_proj_qkv|conv1d)$", module):
         return "qkv"
@@ -179,7 +203,7 @@ def shard_tensor(
     if split == "qkv":
         return _qkv_sections(config, tensor, rank, degree)
     if split == "rows":
-        return _rows(tensor, rank, degree)
+        return _vocab_rows(tensor, rank, degree) if _vocab_parallel(name) else _rows(tensor, rank, degree)
     if split == "kv":
         return _kv_heads(config, tensor, rank, degree)
     if split == "bias":
@@ -196,7 +220,8 @@ def unshard_tensor(
     if degree == 1 or split in ("replicated", "bias"):
         return shards[0]
     if split == "rows":
-        return torch.cat(shards, dim=0)
+        joined = torch.cat(shards, dim=0)
+        return joined[: config.vocab_size] if _vocab_parallel(name) else joined
     if split == "columns":
         return torch.cat(shards, dim=1)
     if split == "kv":
@@ -343,8 +368,8 @@ class FunctionalCollectives:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """One rank's rows of the embedding table, `weight` [V / N, hidden] for tokens start..: other ranks'
-    tokens embed as zeros, and the sum over the ranks is every token's row (x + 0 is exact)."""
+    """One rank's rows of the embedding table, `weight` [ceil(V / N), hidden] for tokens start..: other
+    ranks' tokens embed as zeros, and the sum over the ranks is every token's row (x + 0 is exact)."""
 
     def __init__(self, weight: nn.Parameter, start: int, collectives: FunctionalCollectives) -> None:
         super().__init__()
@@ -360,15 +385,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """One rank's rows of the output projection, `weight` [V / N, hidden]; the ranks' logits are gathered."""
+    """One rank's rows of the output projection, `weight` [ceil(V / N), hidden]; the ranks' logits are
+    gathered and cut to the `vocab_size` tokens (the padding rows' logits dropped)."""
 
-    def __init__(self, weight: nn.Parameter, collectives: FunctionalCollectives) -> None:
+    def __init__(self, weight: nn.Parameter, vocab_size: int, collectives: FunctionalCollectives) -> None:
         super().__init__()
         self.weight = weight
+        self.vocab_size = vocab_size
         self.collectives = collectives
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.collectives.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.collectives.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
 
 
 def parallelize(model: nn.Module, rank: int, collectives: FunctionalCollectives) -> None:
@@ -382,4 +410,6 @@ def parallelize(model: nn.Module, rank: int, collectives: FunctionalCollectives)
             module.register_forward_hook(reduce_output)
     embedding = model.model.embed_tokens.weight
     model.model.embed_tokens = VocabParallelEmbedding(embedding, rank * embedding.shape[0], collectives)
-    model.lm_head = VocabParallelLMHead(model.lm_head.weight, collectives)  # the same Parameter when tied
+    vocab_size = model.config.gathered_vocab_size
+    # The same Parameter as the embedding's when tied.
+    model.lm_head = VocabParallelLMHead(model.lm_head.weight, vocab_size, collectives)
