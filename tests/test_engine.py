@@ -844,7 +844,7 @@ def test_the_loop_survives_a_reader_that_fails_and_a_submit_after_shutdown_raise
         failures.append(item)
         raise RuntimeError("reader gone")
 
-    rid = loop.add(tokens(10, 120), params, None, broken).result()
+    rid = loop.add(EngineRequest(tokens(10, 120), params), broken).result()
     survivor = list(loop.submit(EngineRequest(tokens(12, 121), SamplingParams(temperature=0, max_tokens=5))))
     assert survivor[-1].finished
     stats = loop.call(lambda engine: engine.stats())

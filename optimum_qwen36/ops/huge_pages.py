@@ -3,9 +3,8 @@ The cpu backend moves the model's weights there (`move_to_huge_pages`) and the c
 there (`zeros`).
 
 In 4 KB pages a stream crosses a page boundary every 64 cache lines: each page costs a TLB walk, and the
-CPU's hardware prefetchers, which work within a page, start over. In 2 MB pages the native bf16 kernel
-streams the benchmark model's projections 1.08-1.16x faster on the AMD EPYC (`benchmarks/bench_matvec.py
---huge-pages`; more in the machine's slower hours). Linux gives an
+CPU's hardware prefetchers, which work within a page, start over; in 2 MB pages the native bf16 kernel
+streams the projections faster (`benchmarks/bench_matvec.py --huge-pages`, docs/BENCHMARKS.md). Linux gives an
 anonymous mapping huge pages where its `transparent_hugepage/enabled` is `always`, or `madvise` and the
 mapping is advised MADV_HUGEPAGE (common defaults); `never` leaves everything as it is.
 """
