@@ -47,6 +47,13 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
 )
 
 
+# The image / video placeholder and delimiter tokens of the tiny vision-language checkpoints: inside their
+# 512-token vocabulary (Qwen's own ids are beyond it).
+TINY_VISION_TOKENS = dict(
+    vision_start_token_id=505, vision_end_token_id=506, image_token_id=507, video_token_id=508
+)
+
+
 def tiny_text_config(**overrides: Any) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**{**TINY_TEXT_CONFIG, **overrides})
 
@@ -80,6 +87,7 @@ def save_tiny_checkpoint(
             text_config=text_config.to_dict(),
             vision_config=vision,
             tie_word_embeddings=text_config.tie_word_embeddings,
+            **TINY_VISION_TOKENS,
         )
         model = Qwen3_5ForConditionalGeneration(config)
     else:

@@ -235,3 +235,28 @@ def test_saved_next_to_qwen3_5_config(tmp_path: Path, reference) -> None:
         assert loaded.encode(text, add_special_tokens=False) == reference.encode(text)
     prompt = loaded.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert prompt == PROMPT + "<think>\n"
+
+
+def test_chat_template_image_and_video_parts(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Image parts (OpenAI's `image_url`, transformers' `image`) and video parts render as the vision
+    placeholders the processor expands; each is one special token."""
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "Compare with"},
+        {"type": "image", "image": "photo.png"},
+        {"type": "video", "video": "clip.mp4"},
+    ]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    image, video = (
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "<|vision_start|><|video_pad|><|vision_end|>",
+    )
+    assert (
+        text
+        == f"<|im_start|>user\n{image}Compare with{image}{video}<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    ids = tokenizer.encode(text)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 2
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 1

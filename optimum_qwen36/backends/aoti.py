@@ -23,6 +23,7 @@ from .base import (
     COMPILED_DIR,
     MIN_BATCH_ROWS,
     blocks_in_use,
+    fit_chunk_images,
     no_snapshots,
     packed_prefill_args,
     rows_blocks_in_use,
@@ -51,6 +52,8 @@ class AOTIBackend:
     # Every rank runs rank 0's graphs: weights are bound at load, and the embedding (where a rank's share of
     # the vocabulary starts) runs outside them.
     per_rank_graphs = False
+    # A step's eager inputs (embedding, rotary tables) read the image arguments; its graphs take the result.
+    takes_images = True
 
     def __init__(self, files_dir: Path, model: Qwen36ForCausalLM, device: str) -> None:
         self.name = torch.device(device).type
@@ -108,9 +111,9 @@ class AOTIBackend:
 
         self.graphs = {step: load_step(model, step, load, device, shapes) for step in present}
 
-    def _run(self, method: str, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _run(self, method: str, args: tuple[torch.Tensor, ...], **images: torch.Tensor) -> torch.Tensor:
         used = blocks_in_use(method, args, cut_tokens=self.packs_prefill)
-        return self.graphs[method](*self._on_device(used)).cpu()
+        return self.graphs[method](*self._on_device(used), **self._images_on_device(images)).cpu()
 
     def _prefill_args(
         self,
@@ -140,10 +143,12 @@ class AOTIBackend:
         *args: torch.Tensor,
         snapshot_ends: torch.Tensor | None = None,
         snapshot_slots: torch.Tensor | None = None,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         sequences = args[3].numel()
         graph_args = self._prefill_args(args, snapshot_ends, snapshot_slots)
-        return self.graphs["prefill_chunk"](*graph_args).cpu()[:sequences]
+        images = self._images_on_device(fit_chunk_images(images, graph_args[0].shape[1]))
+        return self.graphs["prefill_chunk"](*graph_args, **images).cpu()[:sequences]
 
     def _step_graph(self, step: str, rows: int) -> str:
         """The graph of `step` (decode, verify or mtp) for a call with `rows` rows."""
@@ -151,13 +156,18 @@ class AOTIBackend:
             raise ValueError(f"{step}_step takes {self.min_step_rows} rows or more, got {rows}: pad the call")
         return f"{step}_row" if self.min_step_rows == 1 else f"{step}_step"
 
-    def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self._run(self._step_graph("decode", args[0].shape[0]), args)
+    def decode_step(self, *args: torch.Tensor, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        images = {} if rope_positions is None else {"rope_positions": rope_positions}
+        return self._run(self._step_graph("decode", args[0].shape[0]), args, **images)
 
     @torch.no_grad()
-    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_chunk_hidden(
+        self, *args: torch.Tensor, **images: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.graphs["prefill_chunk"]
-        hidden, inputs = step.decoder_output(*self._prefill_args(args))
+        graph_args = self._prefill_args(args)
+        images = self._images_on_device(fit_chunk_images(images, graph_args[0].shape[1]))
+        hidden, inputs = step.decoder_output(*graph_args, **images)
         logits = step.head(self.model.last_valid(hidden, inputs))
         return logits.cpu()[: args[3].numel()], self.model.model.norm(hidden).cpu()
 
@@ -184,6 +194,9 @@ class AOTIBackend:
             *self._on_device((input_ids, hidden, start_pos, num_valid, tables, key_cache, value_cache))
         )
         return tuple(o.cpu() for o in out)
+
+    def _images_on_device(self, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(images, self._on_device(list(images.values())), strict=True))
 
     def _on_device(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if self.device == "cpu":

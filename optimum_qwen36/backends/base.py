@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from ..network.vision import ImageInput, Qwen36VisionModel
+
 # Where a saved model keeps what its backend compiled (`StepBackend.save`): <model directory>/compiled/.
 COMPILED_DIR = "compiled"
 
@@ -35,6 +37,9 @@ class StepBackend(Protocol):
     # rank's: the driver adds the others' `compiled_files()` with `add_compiled_files`), or every rank runs
     # the same graphs, weights bound at load, and rank 0's are all a saved model needs.
     per_rank_graphs: bool
+    # Whether prefill_chunk(_hidden) takes the keyword arguments of prompts with images (`rope_positions`,
+    # `vision_embeds`, `vision_mask`) and decode_step `rope_positions` (network/model.py).
+    takes_images: bool
 
     def prefill_chunk(
         self,
@@ -63,6 +68,23 @@ class StepBackend(Protocol):
     def compiled_files(self) -> dict[str, bytes]: ...
 
     def add_compiled_files(self, directory: Path, files: dict[str, bytes]) -> None: ...
+
+
+class ImageEncoder:
+    """Runs the vision tower: an image's features, one per placeholder token the prompt holds for it.
+    `placeholder_ids`: the image and video pad tokens the features stand in for."""
+
+    def __init__(
+        self, tower: Qwen36VisionModel, placeholder_ids: tuple[int, ...], spatial_merge_size: int
+    ) -> None:
+        self.tower = tower
+        self.placeholder_ids = placeholder_ids
+        self.spatial_merge_size = spatial_merge_size
+
+    @torch.no_grad()
+    def encode(self, image: ImageInput) -> torch.Tensor:
+        """The image's features [image tokens, hidden], in the tower's dtype."""
+        return self.tower.encode(image)
 
 
 # The fewest tokens a prefill graph takes, block-table columns a step passes, rows a batched step takes and
@@ -98,6 +120,23 @@ def blocks_in_use(
     input_ids, positions, slots, block_tables, *caches = args
     used = table_width(int(positions.max()) // block_size + 1, block_tables.shape[1])
     return (input_ids, positions, slots, block_tables[:, :used].contiguous(), *caches)
+
+
+def fit_chunk_images(images: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    """A prefill call's image arguments (`rope_positions` [3, 1, C], `vision_embeds` [1, C, hidden],
+    `vision_mask` [1, C]) for its tokens cut or padded to `tokens` (`blocks_in_use`,
+    `packed_prefill_args`): padding tokens are text at rotary position 0, never read."""
+    fitted = {}
+    for name, tensor in images.items():
+        axis = 1 if name == "vision_embeds" else tensor.dim() - 1
+        missing = tokens - tensor.shape[axis]
+        if missing <= 0:
+            fitted[name] = tensor.narrow(axis, 0, tokens)
+        else:
+            padding = list(tensor.shape)
+            padding[axis] = missing
+            fitted[name] = torch.cat([tensor, tensor.new_zeros(padding)], dim=axis)
+    return fitted
 
 
 def packed_prefill_args(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

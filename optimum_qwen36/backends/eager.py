@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..network.model import Qwen36ForCausalLM
-from .base import PREFILL_SNAPSHOTS, blocks_in_use, rows_blocks_in_use
+from .base import PREFILL_SNAPSHOTS, blocks_in_use, fit_chunk_images, rows_blocks_in_use
 
 
 class EagerBackend:
@@ -20,6 +20,7 @@ class EagerBackend:
     decodes_in_prefill = True
     prefill_snapshots = PREFILL_SNAPSHOTS
     per_rank_graphs = False  # no graphs
+    takes_images = True
 
     def __init__(self, model: Qwen36ForCausalLM) -> None:
         self.model = model
@@ -31,17 +32,22 @@ class EagerBackend:
         *args: torch.Tensor,
         snapshot_ends: torch.Tensor | None = None,
         snapshot_slots: torch.Tensor | None = None,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         used = blocks_in_use("prefill_chunk", args)
-        return self.model.prefill_chunk(*used, snapshot_ends, snapshot_slots)
+        images = fit_chunk_images(images, used[0].shape[1])
+        return self.model.prefill_chunk(*used, snapshot_ends, snapshot_slots, **images)
 
     @torch.no_grad()
-    def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model.decode_step(*blocks_in_use("decode_step", args))
+    def decode_step(self, *args: torch.Tensor, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.decode_step(*blocks_in_use("decode_step", args), rope_positions=rope_positions)
 
     @torch.no_grad()
-    def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.prefill_chunk_hidden(*blocks_in_use("prefill_chunk", args))
+    def prefill_chunk_hidden(
+        self, *args: torch.Tensor, **images: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        used = blocks_in_use("prefill_chunk", args)
+        return self.model.prefill_chunk_hidden(*used, **fit_chunk_images(images, used[0].shape[1]))
 
     @torch.no_grad()
     def position_logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,7 @@ class NeuronBackend:
     # With tensor parallelism each rank compiles its own graphs: they hold rank-specific constants (the
     # first token of its share of the vocabulary), so its NEFFs may be its own.
     per_rank_graphs = True
+    takes_images = False  # the compiled graphs take text steps' arguments only
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
     packs_prefill = False  # static shapes: one sequence's chunk per prefill call

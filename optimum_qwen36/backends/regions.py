@@ -204,16 +204,17 @@ class RegionalStep:
         self._head_weights = model_weights(model, HEAD_WEIGHTS)
 
     @torch.no_grad()
-    def __call__(self, *args: torch.Tensor) -> Any:
-        hidden, inputs = self.decoder_output(*args)
+    def __call__(self, *args: torch.Tensor, **images: torch.Tensor) -> Any:
+        """`images`: the step's image keyword arguments (network/model.py), read by its eager inputs."""
+        hidden, inputs = self.decoder_output(*args, **images)
         if self._last_valid is not None:
             hidden = self._last_valid(hidden, inputs)
         return self.head(hidden)
 
     @torch.no_grad()
-    def decoder_output(self, *args: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
+    def decoder_output(self, *args: torch.Tensor, **images: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
         """The last layer's output for the step's arguments, and the step's inputs."""
-        hidden, inputs = self._inputs(*args)
+        hidden, inputs = self._inputs(*args, **images)
         for graph, fields, tail in self._layers:
             hidden = graph(dense(hidden), *(getattr(inputs, field) for field in fields), *tail)
         return hidden, inputs

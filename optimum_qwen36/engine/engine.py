@@ -22,6 +22,11 @@ the chooser the request's next-token logits and computes nothing more for it unt
 A request may also bring a `ComputedSequence`: the state of its first tokens, computed elsewhere, copied
 into its slot and blocks when it is admitted.
 
+A request with images (an engine with an `ImageEncoder`, the vision tower): the images are placed on their
+placeholder tokens at admission (`network.vision.place_images`: the prompt's multimodal rotary positions);
+an image is encoded when the first chunk holding its tokens runs, its features kept until its last token is
+computed (a chunk may end inside an image), and the prefix cache keys its tokens with its content hash.
+
 The GDN state of a request lives in its slot of the cache from admission to finish; its KV blocks come from
 the prefix cache's pool. Prefix caching is a policy the scheduler consults: lookup at admission (the engine
 restores the hit's GDN checkpoint into the slot), checkpoints stored where prefill chunks end or, where the
@@ -40,8 +45,9 @@ from typing import Any
 
 import torch
 
-from ..backends.base import StepBackend
+from ..backends.base import ImageEncoder, StepBackend
 from ..network.cache import CacheStorage
+from ..network.vision import PromptImages, place_images
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .request import (
@@ -53,7 +59,7 @@ from .request import (
     RequestState,
     TokenChooser,
 )
-from .runner import ModelRunner, PackedChunk
+from .runner import ChunkImages, ModelRunner, PackedChunk
 from .sampling import SamplingParams, SamplingRow, VerifiedToken, sample, verify_drafts
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .speculative import CatchUp, MTPDrafter
@@ -80,8 +86,10 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         vocab_size: int,
         tokenizer: Any = None,
+        image_encoder: ImageEncoder | None = None,
     ) -> None:
         self.runner = ModelRunner(backend, cache, prefill_chunk_size)
+        self.image_encoder = image_encoder
         self.cache = cache
         self.prefix_cache = prefix_cache
         self.max_num_seqs = cache.batch_size
@@ -157,6 +165,7 @@ class Engine:
             )
         if request.computed is not None:
             self._check_computed(request.computed, len(ids), params)
+        images = self._place_images(request)
         request_id = request.request_id if request.request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
@@ -169,12 +178,67 @@ class Engine:
             reusable_prefix=reusable_prefix,
             chooser=request.chooser,
             computed=request.computed,
+            images=images,
         )
         self.scheduler.add(running)
         self._requests[request_id] = running
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request_id
+
+    def _place_images(self, request: EngineRequest) -> PromptImages | None:
+        """The request's images on its prompt's placeholder tokens; a clear error where this engine cannot
+        take them or the prompt does not match them."""
+        encoder = self.image_encoder
+        if encoder is None:
+            if request.images:
+                raise ValueError(
+                    "this model has no vision tower: it takes text only. Load a checkpoint with a "
+                    "vision_config through NeuronQwen36ForConditionalGeneration to send images."
+                )
+            return None
+        if not request.images and not any(t in encoder.placeholder_ids for t in request.prompt_ids):
+            return None
+        if not self.runner.backend.takes_images:
+            raise ValueError(
+                f"the {self.runner.backend.name} backend's compiled steps take text only; export with "
+                "backend='eager' to send images."
+            )
+        if self.drafter is not None:
+            raise ValueError(
+                "images with MTP speculative decoding are not supported: export without "
+                "num_speculative_tokens to send images."
+            )
+        return place_images(
+            request.prompt_ids, request.images, encoder.placeholder_ids, encoder.spatial_merge_size
+        )
+
+    def _chunk_images(self, request: Request, start: int, end: int) -> ChunkImages | None:
+        """What the chunk start..end of a request with images reads besides its tokens: their rotary
+        positions, and the features of the image tokens among them (each image encoded when its first chunk
+        runs and dropped after its last)."""
+        placed = request.images
+        if placed is None:
+            return None
+        images = ChunkImages(placed.positions(start, end))
+        for index, (image, first, last) in enumerate(
+            zip(placed.images, placed.starts, placed.ends(), strict=True)
+        ):
+            if last <= start or first >= end:
+                continue
+            features = request.image_features.get(index)
+            if features is None:
+                assert self.image_encoder is not None
+                features = request.image_features[index] = self.image_encoder.encode(image)
+            if images.features is None:
+                images.features = features.new_zeros((end - start, features.shape[-1]))
+                images.mask = torch.zeros(end - start, dtype=torch.bool)
+            lo, hi = max(first, start), min(last, end)
+            images.features[lo - start : hi - start] = features[lo - first : hi - first]
+            images.mask[lo - start : hi - start] = True
+            if last <= end:
+                del request.image_features[index]
+        return images
 
     def _check_computed(self, computed: ComputedSequence, num_tokens: int, params: SamplingParams) -> None:
         """What can be checked of a computed sequence a request brings: it fits the request's tokens, its
@@ -370,11 +434,13 @@ class Engine:
         return table
 
     def _decode(self, requests: list[Request]) -> torch.Tensor:
+        with_images = any(request.images is not None for request in requests)
         logits = self.runner.decode(
             torch.tensor([request.output_ids[-1] for request in requests]),
             torch.tensor([request.num_computed for request in requests]),
             torch.tensor([self.scheduler.slot_of(request) for request in requests]),
             torch.stack([self._table(request) for request in requests]),
+            torch.tensor([request.rope_delta for request in requests]) if with_images else None,
         )
         for request in requests:
             self._computed(request, request.num_computed + 1)
@@ -416,7 +482,8 @@ class Engine:
             tokens = request.token_ids[chunk.start : chunk.end]
             table = self._table(request)
             slot = self.scheduler.slot_of(request)
-            sequences.append(PackedChunk(tokens, chunk.start, slot, table, chunk.snapshots))
+            images = self._chunk_images(request, chunk.start, chunk.end)
+            sequences.append(PackedChunk(tokens, chunk.start, slot, table, chunk.snapshots, images))
         logits = self.runner.prefill_packed(sequences)
         taken = itertools.count()
         for chunk, sequence in zip(chunks, sequences, strict=True):
@@ -432,6 +499,7 @@ class Engine:
             chunk.start,
             self.scheduler.slot_of(request),
             self._table(request),
+            self._chunk_images(request, chunk.start, chunk.end),
         )
         if request.needs_prompt_logprobs:  # chunks run in order: this one holds prompt positions
             logits, hidden, positions = self.runner.prefill_positions(*args)

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from ..network.cache import CacheStorage
+from ..network.vision import ImageInput, PromptImages
 from .sampling import SamplingParams, TokenConstraint, request_generator
 
 
@@ -73,7 +74,8 @@ class EngineRequest:
     prompt, which the next turn renders differently), so that the prefix cache keeps a GDN state checkpoint
     there. `chooser` picks its tokens instead of the engine's sampler (then of `params` only max_tokens
     counts: the longest it may grow, which the block pool must hold). `computed`: its first tokens were
-    computed elsewhere; their state is copied in instead of computed again."""
+    computed elsewhere; their state is copied in instead of computed again. `images`: the images whose
+    placeholder tokens the prompt holds, in order (the processor's expansion: one token per merged patch)."""
 
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -82,9 +84,11 @@ class EngineRequest:
     reusable_prefix: int | None = None
     chooser: TokenChooser | None = None
     computed: ComputedSequence | None = None
+    images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "images", tuple(self.images))
 
 
 @dataclass
@@ -121,6 +125,10 @@ class Request:
     computed: ComputedSequence | None = field(default=None, repr=False)
     # From this position on its tokens are filler (`ChosenToken.filler`): the prefix cache keeps none.
     filler_from: int | None = None
+    # Its prompt's images on their placeholder tokens, and the features of those whose tokens are still to
+    # compute (encoded when a chunk first needs them, dropped once their tokens are computed).
+    images: PromptImages | None = field(default=None, repr=False)
+    image_features: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +161,18 @@ class Request:
     def token_ids(self) -> list[int]:
         """Prompt and output tokens, in order: what the model has seen or will see."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_key_ids(self) -> list[int]:
+        """`token_ids` as the prefix cache keys them: an image's placeholder tokens stand for its content."""
+        if self.images is None:
+            return self.token_ids
+        return self.images.cache_key_ids(self.prompt_ids) + self.output_ids
+
+    @property
+    def rope_delta(self) -> int:
+        """How far the rotary positions of its tokens past the prompt lie from their positions."""
+        return 0 if self.images is None else self.images.rope_delta
 
     @property
     def num_tokens(self) -> int:

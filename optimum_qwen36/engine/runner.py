@@ -14,6 +14,10 @@ it is a client of the engine), so the step arguments are built in one place.
 - `prefill_positions`: `prefill` with the logits after every token of the chunk (prompt log-probabilities).
 - MTP speculative decoding: `prefill` with the chunk's hidden states, `verify` (several tokens per slot,
   the GDN state after each kept apart until `keep_verified_state`), and `draft` (the MTP layer).
+
+Prompts with images: a prefill chunk also carries its `ChunkImages` (the tokens' multimodal rotary positions
+and the image features of its image tokens), and a decode step its rows' `rope_deltas`; a call passes them
+to the backend as soon as one of its sequences has them (the others' rotary positions are their indices).
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ from ..network.cache import PADDING_SLOT, CacheStorage
 
 
 @dataclass
+class ChunkImages:
+    """What a prefill chunk of a prompt with images reads besides its tokens: each token's rotary positions
+    [3, n] (network/vision.py), and the image features [n, hidden] that stand in for the embeddings of the
+    tokens where `mask` [n] is set (None: the chunk holds no image token)."""
+
+    rope_positions: torch.Tensor
+    features: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
 class PackedChunk:
     """One sequence's part of a packed prefill: its tokens at positions start.., its GDN slot, its block
     table [max_blocks], and the positions inside it (start < p < start + len(tokens)) after which its GDN
@@ -38,6 +53,7 @@ class PackedChunk:
     slot: int
     block_table: torch.Tensor
     snapshots: Sequence[int] = ()
+    images: ChunkImages | None = None
 
 
 class ModelRunner:
@@ -49,11 +65,17 @@ class ModelRunner:
         self.max_packed_tokens = prefill_chunk_size + (cache.batch_size if backend.decodes_in_prefill else 0)
 
     def prefill(
-        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        start: int,
+        slot: int,
+        block_table: torch.Tensor,
+        images: ChunkImages | None = None,
     ) -> torch.Tensor:
         """Compute `tokens` (at most one chunk) at positions start.. of the sequence in `slot`, whose blocks
         are `block_table` [max_blocks]; returns the logits after the last one, [1, vocab]."""
-        return self.backend.prefill_chunk(*self._prefill_args(tokens, start, slot, block_table))
+        chunk = PackedChunk(tokens, start, slot, block_table, images=images)
+        return self.backend.prefill_chunk(*self._prefill_args(chunk), **self._chunk_images([chunk]))
 
     def prefill_packed(self, chunks: Sequence[PackedChunk]) -> torch.Tensor:
         """Compute several sequences' chunks (distinct slots, at most `max_packed_tokens` in all, at most
@@ -97,56 +119,117 @@ class ModelRunner:
             torch.stack([chunk.block_table for chunk in chunks]),
             *self.cache.step_tensors(),
             **snapshots,
+            **self._chunk_images(chunks),
         )
 
     def prefill_hidden(
-        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        start: int,
+        slot: int,
+        block_table: torch.Tensor,
+        images: ChunkImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill`, also returning the normed hidden states of the (padded) chunk, [1, chunk, hidden]."""
-        return self.backend.prefill_chunk_hidden(*self._prefill_args(tokens, start, slot, block_table))
+        chunk = PackedChunk(tokens, start, slot, block_table, images=images)
+        return self.backend.prefill_chunk_hidden(*self._prefill_args(chunk), **self._chunk_images([chunk]))
 
     def prefill_positions(
-        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        start: int,
+        slot: int,
+        block_table: torch.Tensor,
+        images: ChunkImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`prefill_hidden`, also returning the float32 logits after each of `tokens` [len(tokens), vocab]
         (prompt log-probabilities)."""
-        logits, hidden = self.prefill_hidden(tokens, start, slot, block_table)
+        logits, hidden = self.prefill_hidden(tokens, start, slot, block_table, images)
         return logits, hidden, self.backend.position_logits(hidden[:, : len(tokens)])[0]
 
-    def _prefill_args(
-        self, tokens: Sequence[int] | torch.Tensor, start: int, slot: int, block_table: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
+    def _prefill_args(self, chunk: PackedChunk) -> tuple[torch.Tensor, ...]:
+        """A one-sequence prefill call's arguments: its tokens right-padded to the compiled chunk."""
+        tokens = torch.as_tensor(chunk.tokens, dtype=torch.long)
         if not 0 < len(tokens) <= self.prefill_chunk_size:
             raise ValueError(f"a prefill chunk holds 1..{self.prefill_chunk_size} tokens, got {len(tokens)}")
         padded = torch.zeros((1, self.prefill_chunk_size), dtype=torch.long)
         padded[0, : len(tokens)] = tokens
         return (
             padded,
-            torch.tensor(start),
+            torch.tensor(chunk.start),
             torch.tensor(len(tokens)),
-            torch.tensor(slot),
-            block_table,
+            torch.tensor(chunk.slot),
+            chunk.block_table,
             *self.cache.step_tensors(),
         )
 
+    def _chunk_images(self, chunks: Sequence[PackedChunk]) -> dict[str, torch.Tensor]:
+        """The image keyword arguments of a prefill call over `chunks` (packed one after the other, padded
+        to the compiled chunk where there is one): none unless a chunk has images."""
+        if all(chunk.images is None for chunk in chunks):
+            return {}
+        sizes = [len(chunk.tokens) for chunk in chunks]
+        total = sum(sizes) if len(chunks) > 1 else self.prefill_chunk_size
+        rope = torch.zeros((3, total), dtype=torch.long)
+        first = 0
+        for chunk, size in zip(chunks, sizes, strict=True):
+            own = chunk.images.rope_positions if chunk.images is not None else None
+            rope[:, first : first + size] = (
+                own if own is not None else torch.arange(chunk.start, chunk.start + size)
+            )
+            first += size
+        arguments = {"rope_positions": rope.unsqueeze(1)}
+        with_features = [
+            chunk.images for chunk in chunks if chunk.images and chunk.images.features is not None
+        ]
+        if with_features:
+            reference = with_features[0].features
+            features = reference.new_zeros((total, reference.shape[-1]))
+            mask = torch.zeros(total, dtype=torch.bool)
+            first = 0
+            for chunk, size in zip(chunks, sizes, strict=True):
+                if chunk.images is not None and chunk.images.features is not None:
+                    features[first : first + size] = chunk.images.features
+                    mask[first : first + size] = chunk.images.mask
+                first += size
+            arguments.update(vision_embeds=features.unsqueeze(0), vision_mask=mask.unsqueeze(0))
+        return arguments
+
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        rope_deltas: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed tokens[i] at positions[i] to the sequence in slots[i] (distinct), whose blocks are
-        block_tables[i]; returns the logits [len(tokens), vocab]."""
+        block_tables[i]; returns the logits [len(tokens), vocab]. `rope_deltas` [B]: how far each row's
+        rotary position lies from its position (a prompt with images; see network/vision.py)."""
         batch = len(tokens)
         rows = self._step_rows(batch)
         tables = torch.zeros((batch, self.cache.max_blocks_per_row), dtype=torch.long)
         tables[:, : block_tables.shape[1]] = block_tables
+        positions = self._padded_rows(positions.to(torch.long), rows=rows)
         logits = self.backend.decode_step(
             self._padded_rows(tokens.to(torch.long), rows=rows).unsqueeze(1),
-            self._padded_rows(positions.to(torch.long), rows=rows),
+            positions,
             self._padded_rows(slots.to(torch.long), PADDING_SLOT, rows=rows),
             self._padded_rows(tables, rows=rows),
             *self.cache.step_tensors(),
+            **self._rows_rope(positions.unsqueeze(1), rope_deltas),
         )
         return logits[:batch]
+
+    def _rows_rope(
+        self, positions: torch.Tensor, rope_deltas: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The rotary positions [3, rows, T] of a step's rows at `positions` [rows, T], shifted by each row's
+        `rope_deltas` (fewer than rows: the dummy rows' are 0); none without deltas."""
+        if rope_deltas is None:
+            return {}
+        shift = self._padded_rows(rope_deltas.to(torch.long), rows=len(positions))
+        return {"rope_positions": (positions + shift.unsqueeze(1)).expand(3, -1, -1)}
 
     def verify(
         self,

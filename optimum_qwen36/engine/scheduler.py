@@ -209,10 +209,10 @@ class Scheduler:
         if self.prefix_cache.available_blocks() < -(-(brought + first) // block_size):
             return None  # cheap check before the lookup: a miss needs at least this much
         if request.computed is not None:
-            seq = self.prefix_cache.begin_computed(request.token_ids, brought)
+            seq = self.prefix_cache.begin_computed(request.cache_key_ids, brought)
         else:
             reuse = not request.needs_prompt_logprobs
-            seq = self.prefix_cache.begin(request.token_ids, reuse, request.reusable_prefix)
+            seq = self.prefix_cache.begin(request.cache_key_ids, reuse, request.reusable_prefix)
         first_end = min(request.num_tokens, seq.cached_tokens + first)
         needed = -(-first_end // block_size) - len(seq.block_ids)
         if self.prefix_cache.available_blocks() < needed:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from transformers import GenerationConfig, PretrainedConfig
 
-from ..backends.base import StepBackend
+from ..backends.base import ImageEncoder, StepBackend
 from ..distributed.lockstep import LockstepBackend
 from ..distributed.replicated import Driver, Replicas, on_every_rank
 from ..engine import Engine
@@ -69,6 +69,8 @@ class NeuronModelForCausalLM(ExportMixin, SaveMixin, GenerateMixin):
         # its blocks hold the cached prefixes).
         self._generation_engine: Engine | None = None
         self._calls = itertools.count()
+        # The vision tower, where the model class runs one (NeuronQwen36ForConditionalGeneration).
+        self.image_encoder: ImageEncoder | None = None
 
     @classmethod
     def _resolve_class(cls, config: PretrainedConfig) -> type[NeuronModelForCausalLM]:
@@ -151,6 +153,7 @@ class NeuronModelForCausalLM(ExportMixin, SaveMixin, GenerateMixin):
             eos_token_ids=self._engine_eos_ids(tokenizer),
             vocab_size=self.config.vocab_size,
             tokenizer=tokenizer,
+            image_encoder=self.image_encoder,
         )
 
     def _engine_eos_ids(self, tokenizer: Any) -> list[int]:

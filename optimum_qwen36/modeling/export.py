@@ -232,9 +232,14 @@ class ExportMixin:
         face = model_cls(
             text_config, neuron_config, model, backend, generation_config, tokenizer_dir, replicas
         )
+        face._load_beyond_text(config, checkpoint_dir)
         if isinstance(replicas, Driver):  # the workers stop with the model (or at exit)
             weakref.finalize(face, replicas.close)
         return face
+
+    def _load_beyond_text(self, config: PretrainedConfig, checkpoint_dir: str) -> None:
+        """Load what the model class runs besides the language model, from the checkpoint whose config
+        (both layouts) is `config`: nothing for the text model."""
 
     @classmethod
     def from_pretrained(

@@ -22,6 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..distributed.replicated import Replicas, on_every_rank, tensor_digest
 from ..engine import ChosenToken, Engine, EngineRequest, SamplingParams
+from ..network.vision import ImageInput, split_images
 from .cache import Qwen36HybridCache
 from .generation_config import (
     build_logits_processors,
@@ -35,6 +36,7 @@ from .generation_config import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from ..backends.base import ImageEncoder
     from ..network.neuron_config import Qwen36NeuronConfig
     from ..prefix_caching import PrefixCache
 
@@ -129,6 +131,7 @@ class GenerateMixin:
     _calls: itertools.count[int]
     tensor_parallel: Replicas | None
     generation_engine: Callable[[], Engine]
+    image_encoder: ImageEncoder | None
     _empty_cache: Callable[[], Qwen36HybridCache]
 
     @on_every_rank(digest=generated_digest, local=("streamer",))
@@ -163,6 +166,7 @@ class GenerateMixin:
             raise ValueError("generate() needs input_ids (a [batch, length] tensor of token ids).")
         input_ids = self._token_ids(input_ids)
         rows = self._prompt_rows(input_ids, inputs_kwargs.get("attention_mask"))
+        row_images = self._row_images(rows, inputs_kwargs)
         width = input_ids.shape[1]
         max_new_tokens = max_new_tokens_of(config, width)
         # transformers >= 5.x names the cache `cache`; `past_key_values` is the older name of the same input.
@@ -189,7 +193,14 @@ class GenerateMixin:
         try:
             for row, (request_id, tokens) in enumerate(zip(batch.request_ids, rows, strict=True)):
                 computed = cache.computed_sequence(row) if cache is not None else None
-                request = EngineRequest(tokens.tolist(), params, request_id, chooser=batch, computed=computed)
+                request = EngineRequest(
+                    tokens.tolist(),
+                    params,
+                    request_id,
+                    chooser=batch,
+                    computed=computed,
+                    images=row_images[row],
+                )
                 engine.add_request(request)
                 if self.prefix_cache is not None:
                     # Each row looks up the prefix cache once the rows before it are computed: it also hits
@@ -249,6 +260,39 @@ class GenerateMixin:
                 f"(0..{vocab - 1}); {int(outside.sum())} id(s) are out of range. Use the model's tokenizer."
             )
         return ids
+
+    def _row_images(self, rows: list[torch.Tensor], inputs: dict[str, Any]) -> list[tuple[ImageInput, ...]]:
+        """Each row's images, from the processor's `pixel_values` and `image_grid_thw` (all rows' images in
+        order): a row takes as many as its image placeholder tokens stand for."""
+        pixel_values, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+        if pixel_values is None and grid is None:
+            return [()] * len(rows)
+        encoder = self.image_encoder
+        if encoder is None:
+            raise ValueError(
+                f"{type(self).__name__} runs the language model only: load the checkpoint with "
+                "NeuronQwen36ForConditionalGeneration to generate from images."
+            )
+        if pixel_values is None or grid is None:
+            raise ValueError(
+                "images need both pixel_values and image_grid_thw, as the processor returns them."
+            )
+        images = iter(split_images(torch.as_tensor(pixel_values), grid))
+        placeholders = torch.tensor(encoder.placeholder_ids)
+        per_row = []
+        for index, row in enumerate(rows):
+            needed, taken = int(torch.isin(row, placeholders).sum()), []
+            while sum(image.num_tokens(encoder.spatial_merge_size) for image in taken) < needed:
+                image = next(images, None)
+                if image is None:
+                    raise ValueError(
+                        f"row {index}'s image placeholder tokens need more images than were given."
+                    )
+                taken.append(image)
+            per_row.append(tuple(taken))
+        if next(images, None) is not None:
+            raise ValueError("more images were given than the rows' image placeholder tokens stand for.")
+        return per_row
 
     def _prompt_rows(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None

@@ -44,7 +44,17 @@ def _global_defaults() -> dict[str, Any]:
 GENERATION_DEFAULTS = _global_defaults()
 
 # generate() keyword arguments that are inputs rather than generation settings.
-INPUT_KWARGS = ("input_ids", "attention_mask", "past_key_values", "cache", "tokenizer", "use_cache")
+# The processor's image outputs (Qwen3_5ForConditionalGeneration's generate() inputs) among them.
+IMAGE_INPUT_KWARGS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+INPUT_KWARGS = (
+    "input_ids",
+    "attention_mask",
+    "past_key_values",
+    "cache",
+    "tokenizer",
+    "use_cache",
+    *IMAGE_INPUT_KWARGS,
+)
 
 # Settings with no implementation here; a non-default value is refused rather than ignored.
 UNSUPPORTED_SETTINGS = (

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import HfApi, split_torch_state_dict_into_shards
 from safetensors.torch import save_file
+from transformers import PretrainedConfig
 
 from ..backends.base import COMPILED_DIR
 from ..distributed.group import COLLECTIVE_TIMEOUT, TensorParallelWorkerError
@@ -39,7 +40,7 @@ class SaveMixin:
         """Write config, neuron config, generation config, tokenizer, weights (safetensors shards), the
         compiled graphs, a model card and a manifest with the sha256 of every file."""
         os.makedirs(save_directory, exist_ok=True)
-        self.config.save_pretrained(save_directory)
+        self._checkpoint_config().save_pretrained(save_directory)
         self.neuron_config.save(save_directory)
         self.generation_config.save_pretrained(save_directory)
         self._save_weights(save_directory)
@@ -89,8 +90,16 @@ class SaveMixin:
                 raise RuntimeError(f"rank {rank} could not send its compiled graphs: {files}")
             self.backend.add_compiled_files(directory, files)
 
+    def _checkpoint_config(self) -> PretrainedConfig:
+        """The config a saved model's checkpoint carries: the language model's."""
+        return self.config
+
+    def _checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors a saved model's checkpoint holds, by key, from the language model's `state`."""
+        return state
+
     def _save_weights(self, directory: str | os.PathLike, max_shard_size: str = "5GB") -> None:
-        state = self._full_state_dict()
+        state = self._checkpoint_state(self._full_state_dict())
         split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
         for filename, names in split.filename_to_tensors.items():
             save_file({n: state[n].contiguous() for n in names}, os.path.join(directory, filename))

@@ -35,6 +35,7 @@ from .config import FULL_ATTENTION, LINEAR_ATTENTION, rotary_dim
 from .layers import Qwen36Attention, Qwen36DecoderLayer, Qwen36GatedDeltaNet, Qwen36RMSNorm
 from .mtp import Qwen36MultiTokenPredictor
 from .step_inputs import StepInputs, cache_slots, packed_positions, row_positions, step_inputs
+from .vision import mrope_axes
 
 
 class Qwen36TextModel(nn.Module):
@@ -69,6 +70,7 @@ class Qwen36ForCausalLM(nn.Module):
         n_attention = list(config.layer_types).count(FULL_ATTENTION)
         self.mtp = Qwen36MultiTokenPredictor(config, n_attention) if mtp else None
         self.register_buffer("inv_freq", self.inv_freq_for(config), persistent=False)
+        self.register_buffer("mrope_axes", self.mrope_axes_for(config), persistent=False)
 
     def set_kernels(
         self,
@@ -101,6 +103,11 @@ class Qwen36ForCausalLM(nn.Module):
         theta = config.rope_parameters["rope_theta"]
         return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
 
+    @staticmethod
+    def mrope_axes_for(config: PretrainedConfig) -> torch.Tensor:
+        """Which multimodal rotary position (temporal, height, width) turns each rotated frequency."""
+        return mrope_axes(config, rotary_dim(config) // 2)
+
     # ------------------------------------------------------------------ entry points
     def prefill_chunk(
         self,
@@ -115,6 +122,9 @@ class Qwen36ForCausalLM(nn.Module):
         recurrent_state: torch.Tensor,
         snapshot_ends: torch.Tensor | None = None,
         snapshot_slots: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
+        vision_embeds: torch.Tensor | None = None,
+        vision_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run prefill chunks of S sequences, packed one after the other in input_ids [1, C].
 
@@ -125,10 +135,14 @@ class Qwen36ForCausalLM(nn.Module):
         `snapshot_ends` / `snapshot_slots` [P] (unpadded calls only): the GDN state of the sequence holding
         packed token snapshot_ends[p] - 1, after that token, is also written to slot snapshot_slots[p] (a
         prefix cache checkpoint inside a chunk; an end at a sequence's start or end is ignored).
+        Images (network/vision.py): `rope_positions` [3, 1, C] the tokens' rotary
+        positions, `vision_embeds` [1, C, hidden] the image features standing in for the embeddings of the
+        tokens where `vision_mask` [1, C] is set.
         Returns the float32 logits of each sequence's last token, [S, vocab]."""
         hidden, step = self.prefill_inputs(
             input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
             recurrent_state, snapshot_ends, snapshot_slots,
+            rope_positions=rope_positions, vision_embeds=vision_embeds, vision_mask=vision_mask,
         )  # fmt: skip
         return self.prefill_logits(self.decoder(hidden, step), step)
 
@@ -142,11 +156,21 @@ class Qwen36ForCausalLM(nn.Module):
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token for each of B rows: input_ids [B, 1], positions [B] (int64), slots [B] (int64: the GDN
-        state slot of each row, distinct), block_tables [B, max_blocks]. Returns float32 logits [B, vocab]."""
+        state slot of each row, distinct), block_tables [B, max_blocks]; `rope_positions` [3, B, 1] their
+        multimodal rotary positions, where a row's prompt had images. Returns float32 logits [B, vocab]."""
         hidden, step = self.decode_inputs(
-            input_ids, positions, slots, block_tables, key_cache, value_cache, conv_state, recurrent_state
+            input_ids,
+            positions,
+            slots,
+            block_tables,
+            key_cache,
+            value_cache,
+            conv_state,
+            recurrent_state,
+            rope_positions=rope_positions,
         )
         return self.decode_logits(self.decoder(hidden, step))
 
@@ -162,12 +186,16 @@ class Qwen36ForCausalLM(nn.Module):
         value_cache: torch.Tensor,
         conv_state: torch.Tensor,
         recurrent_state: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
+        vision_embeds: torch.Tensor | None = None,
+        vision_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill_chunk`, also returning the normed hidden state of every position [1, C, hidden] (what
         the MTP layer reads)."""
         hidden, step = self.prefill_inputs(
             input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
             recurrent_state,
+            rope_positions=rope_positions, vision_embeds=vision_embeds, vision_mask=vision_mask,
         )  # fmt: skip
         normed = self.model.norm(self.decoder(hidden, step))
         return self.lm_head(self.last_valid(normed, step)).float().squeeze(1), normed
@@ -190,15 +218,17 @@ class Qwen36ForCausalLM(nn.Module):
         recurrent_state: torch.Tensor,
         spec_conv_state: torch.Tensor,
         spec_recurrent_state: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """T tokens for each of B rows at positions start_pos[b].., the first num_valid[b] of them real:
         input_ids [B, T]; start_pos, num_valid, slots [B] (int64); block_tables [B, max_blocks]. The rows'
         K/V are written at those positions (padding: the null block); their GDN states are only read, and
         the state after each position t goes to spec_*_state[:, slots[b], t]. Returns float32 logits
-        [B, T, vocab] and the normed hidden states [B, T, hidden]."""
+        [B, T, vocab] and the normed hidden states [B, T, hidden]. `rope_positions` [3, B, T]: as
+        decode_step's."""
         hidden, step = self.verify_inputs(
             input_ids, start_pos, num_valid, slots, block_tables, key_cache, value_cache, conv_state,
-            recurrent_state, spec_conv_state, spec_recurrent_state,
+            recurrent_state, spec_conv_state, spec_recurrent_state, rope_positions=rope_positions,
         )  # fmt: skip
         return self.verify_logits(self.decoder(hidden, step))
 
@@ -211,16 +241,22 @@ class Qwen36ForCausalLM(nn.Module):
         block_tables: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer at T positions per row: input_ids [B, T] are the tokens after those positions,
         hidden [B, T, hidden] the (normed) hidden states at them; start_pos, num_valid [B]. Writes the MTP
         layer's K/V entry. Returns the float32 draft logits [B, vocab] and the MTP output [B, 1, hidden] at
         each row's last real position."""
-        embeds, step = self.mtp_inputs(input_ids, start_pos, num_valid, block_tables, key_cache, value_cache)
+        caches = (key_cache, value_cache)
+        embeds, step = self.mtp_inputs(
+            input_ids, start_pos, num_valid, block_tables, *caches, rope_positions=rope_positions
+        )
         return self.mtp_output(embeds, hidden, num_valid, step)
 
     # ------------------------------------------------------------------ what the layers read
-    def prefill_inputs(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, StepInputs]:
+    def prefill_inputs(
+        self, *args: torch.Tensor | None, **multimodal: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [1, C, hidden] of a prefill chunk and what its layers read, from
         `prefill_chunk`'s arguments: one sequence's, or packed sequences' when there are several or
         snapshots."""
@@ -231,35 +267,49 @@ class Qwen36ForCausalLM(nn.Module):
         block_tables = block_tables.reshape(slots.shape[0], -1)
         if slots.shape[0] == 1 and not snapshots:
             return self._rows_inputs(
-                input_ids, start_pos, num_valid, block_tables, caches, slots=slots, one_sequence=True
-            )
+                input_ids, start_pos, num_valid, block_tables, caches, slots=slots, one_sequence=True,
+                **multimodal,
+            )  # fmt: skip
         block_size, width = caches[0].shape[2], self.config.linear_conv_kernel_dim
         positions, write_slots, packing = packed_positions(
             start_pos, num_valid, input_ids.shape[1], block_tables, block_size, width, snapshots
         )
-        return self._inputs(input_ids, positions, write_slots, block_tables, caches, slots=slots, **packing)
+        return self._inputs(
+            input_ids, positions, write_slots, block_tables, caches, slots=slots, **packing, **multimodal
+        )
 
-    def decode_inputs(self, *args: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
+    def decode_inputs(
+        self, *args: torch.Tensor, rope_positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [B, 1, hidden] of a decode step and what its layers read, from `decode_step`'s
         arguments."""
         input_ids, positions, slots, block_tables, *caches = args
         positions = positions.unsqueeze(1)
         write_slots = cache_slots(positions, block_tables, caches[0].shape[2])
-        return self._inputs(input_ids, positions, write_slots, block_tables, caches, slots=slots)
+        rows = dict(slots=slots, rope_positions=rope_positions)
+        return self._inputs(input_ids, positions, write_slots, block_tables, caches, **rows)
 
-    def verify_inputs(self, *args: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
+    def verify_inputs(
+        self, *args: torch.Tensor, rope_positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [B, T, hidden] of a verify step and what its layers read, from `verify_step`'s
         arguments."""
         input_ids, start_pos, num_valid, slots, block_tables, *caches = args
-        return self._rows_inputs(input_ids, start_pos, num_valid, block_tables, caches, slots=slots)
+        return self._rows_inputs(
+            input_ids, start_pos, num_valid, block_tables, caches, slots=slots, rope_positions=rope_positions
+        )
 
-    def mtp_inputs(self, *args: torch.Tensor) -> tuple[torch.Tensor, StepInputs]:
+    def mtp_inputs(
+        self, *args: torch.Tensor, rope_positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
         """The embedded tokens [B, T, hidden] of an MTP step and what its attention layer reads, from
         `mtp_step`'s arguments without `hidden`."""
         if self.mtp is None:
             raise RuntimeError("this model was built without its MTP layer (Qwen36ForCausalLM(mtp=True)).")
         input_ids, start_pos, num_valid, block_tables, *caches = args
-        return self._rows_inputs(input_ids, start_pos, num_valid, block_tables, caches)
+        return self._rows_inputs(
+            input_ids, start_pos, num_valid, block_tables, caches, rope_positions=rope_positions
+        )
 
     def _rows_inputs(
         self,
@@ -270,6 +320,7 @@ class Qwen36ForCausalLM(nn.Module):
         caches: Sequence[torch.Tensor],
         slots: torch.Tensor | None = None,
         one_sequence: bool = False,
+        **multimodal: torch.Tensor | None,
     ) -> tuple[torch.Tensor, StepInputs]:
         """T tokens per row at start_pos[b].., the first num_valid[b] of them real. `one_sequence`: a prefill
         chunk of one sequence, whose GDN layers also read which of its tokens are real."""
@@ -277,7 +328,9 @@ class Qwen36ForCausalLM(nn.Module):
             start_pos, num_valid, input_ids.shape[1], block_tables, caches[0].shape[2]
         )
         prefill = dict(valid=valid, num_valid=num_valid) if one_sequence else {}
-        return self._inputs(input_ids, positions, write_slots, block_tables, caches, slots=slots, **prefill)
+        return self._inputs(
+            input_ids, positions, write_slots, block_tables, caches, slots=slots, **prefill, **multimodal
+        )
 
     def _inputs(
         self,
@@ -286,12 +339,19 @@ class Qwen36ForCausalLM(nn.Module):
         write_slots: torch.Tensor,
         block_tables: torch.Tensor,
         caches: Sequence[torch.Tensor],
+        rope_positions: torch.Tensor | None = None,
+        vision_embeds: torch.Tensor | None = None,
+        vision_mask: torch.Tensor | None = None,
         **fields: torch.Tensor | None,
     ) -> tuple[torch.Tensor, StepInputs]:
-        """The embedded tokens and the StepInputs of a step (`step_inputs`)."""
+        """The embedded tokens (image features where `vision_mask` is set) and the StepInputs of a step
+        (`step_inputs`; multimodal rotary positions where given)."""
         embeds = self.model.embed_tokens(input_ids)
+        if vision_embeds is not None:
+            embeds = torch.where(vision_mask.unsqueeze(-1), vision_embeds.to(embeds.dtype), embeds)
         rotary = (self.inv_freq, embeds.dtype)
-        return embeds, step_inputs(*rotary, positions, write_slots, block_tables, caches, **fields)
+        rope = None if rope_positions is None else (rope_positions, self.mrope_axes)
+        return embeds, step_inputs(*rotary, positions, write_slots, block_tables, caches, rope, **fields)
 
     # ------------------------------------------------------------------ the layers and the heads
     def decoder(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:

@@ -83,12 +83,18 @@ def step_inputs(
     write_slots: torch.Tensor,
     block_tables: torch.Tensor,
     caches: Sequence[torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     **fields: torch.Tensor | None,
 ) -> StepInputs:
     """The inputs of a step whose tokens stand at `positions` [B, T] (rotary tables at the RoPE frequencies
     `inv_freq`, in `dtype`) and write their K/V at `write_slots`; `caches` as in CACHE_FIELDS; `fields` the
-    step's other StepInputs fields."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq
+    step's other StepInputs fields. `rope` (positions [3, B, T], axes [frequencies]): the tokens' multimodal
+    rotary positions instead, each frequency turned by the position on its axis (network/vision.py)."""
+    if rope is None:
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+    else:
+        rope_positions, axes = rope
+        freqs = rope_positions[axes].permute(1, 2, 0).float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     tensors = dict(zip(CACHE_FIELDS, caches, strict=False))

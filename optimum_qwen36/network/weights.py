@@ -34,12 +34,11 @@ from .sharding import (
     shard_tensor,
     valid_degrees,
 )
+from .vision import VISION_PREFIX, Qwen36VisionModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
-# Keys of Qwen3_5ForConditionalGeneration checkpoints that the language model does not use, and those of
-# the multi-token-prediction layer (used only for speculative decoding).
-VISION_PREFIX = "model.visual."
+# Keys of the multi-token-prediction layer (used only for speculative decoding).
 MTP_PREFIX = "mtp."
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*"]
 
@@ -95,6 +94,37 @@ def checkpoint_tensors(checkpoint_dir: str) -> Iterator[tuple[str, torch.Tensor]
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
                 yield name, f.get_tensor(name)
+
+
+def build_vision_tower(
+    vision_config: PretrainedConfig,
+    checkpoint_dir: str,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> Qwen36VisionModel:
+    """The vision tower of a Qwen3_5ForConditionalGeneration checkpoint (its `model.visual.*` tensors, in
+    dtype)."""
+    with torch.device("meta"):
+        tower = Qwen36VisionModel(vision_config)
+    loaded = {}
+    for path in safetensors_files(checkpoint_dir):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                if key.startswith(VISION_PREFIX):
+                    loaded[key.removeprefix(VISION_PREFIX)] = f.get_tensor(key).to(device, dtype)
+    expected = {name: tuple(p.shape) for name, p in tower.named_parameters()}
+    missing = sorted(set(expected) - set(loaded))
+    unexpected = sorted(set(loaded) - set(expected))
+    wrong = [n for n in set(expected) & set(loaded) if tuple(loaded[n].shape) != expected[n]]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint_dir}'s vision tower ({VISION_PREFIX}*) does not match its "
+            f"vision_config: missing {_head(missing)}, unexpected {_head(unexpected)}, of another shape "
+            f"{_head(sorted(wrong))}."
+        )
+    tower.load_state_dict(loaded, strict=False, assign=True)
+    tower.inv_freq = Qwen36VisionModel.vision_inv_freq(vision_config).to(device)
+    return tower.eval().requires_grad_(False)
 
 
 def count_checkpoint_tensors(checkpoint_dir: str) -> int:
@@ -197,6 +227,7 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = model.inv_freq_for(config).to(device)
+    model.mrope_axes = model.mrope_axes_for(config).to(device)
     logger.info(
         "Loaded %d tensors (%.1f MB as %s) from %s in %.1f s",
         len(loaded),

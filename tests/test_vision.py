@@ -1,0 +1,218 @@
+"""Images in: the vision tower, multimodal RoPE and image features through generate(), the engine and the
+prefix cache, against transformers' Qwen3_5ForConditionalGeneration on a tiny random checkpoint (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
+from transformers import Qwen3_5ForConditionalGeneration
+
+from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
+from optimum_qwen36.engine import EngineRequest, SamplingParams
+from optimum_qwen36.network.vision import ImageInput, Qwen36VisionModel
+
+IMAGE = TINY_VISION_TOKENS["image_token_id"]
+START, END = TINY_VISION_TOKENS["vision_start_token_id"], TINY_VISION_TOKENS["vision_end_token_id"]
+SETTINGS = dict(backend="eager", dtype="float32", batch_size=2, sequence_length=128, prefill_chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3_5ForConditionalGeneration]:
+    directory, reference = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("vision") / "ckpt", layout="conditional"
+    )
+    return directory, reference.float()
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint) -> NeuronQwen36ForConditionalGeneration:
+    return NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint[0], export=True, **SETTINGS)
+
+
+@pytest.fixture(scope="module", params=["eager", "cpu"])
+def any_backend_model(checkpoint, request) -> NeuronQwen36ForConditionalGeneration:
+    settings = {**SETTINGS, "backend": request.param}
+    return NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint[0], export=True, **settings)
+
+
+def patches(
+    reference: Qwen3_5ForConditionalGeneration, grid: tuple[int, int, int], seed: int
+) -> torch.Tensor:
+    """Random pixel patches of an image of `grid` (what the processor emits)."""
+    vision = reference.config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return torch.randn(grid[0] * grid[1] * grid[2], width, generator=torch.Generator().manual_seed(seed))
+
+
+def image_tokens(grid: tuple[int, int, int]) -> list[int]:
+    """An image's span in a rendered prompt: its placeholder expanded to one token per 2x2 merged patch."""
+    return [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
+
+
+def reference_generate(reference: Qwen3_5ForConditionalGeneration, **inputs: Any) -> Any:
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE).long()
+    with torch.no_grad():
+        return reference.generate(
+            **inputs, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+
+
+def assert_same_generation(ours: Any, theirs: Any) -> None:
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    for mine, expected in zip(ours.logits, theirs.logits, strict=True):
+        assert (mine - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_tower_equals_transformers_on_images_of_several_sizes(checkpoint) -> None:
+    _, reference = checkpoint
+    tower = Qwen36VisionModel(reference.config.vision_config)
+    state = {k.removeprefix("model.visual."): v for k, v in reference.state_dict().items() if "visual." in k}
+    tower.load_state_dict(state)
+    for seed, grid in enumerate([(1, 4, 6), (1, 10, 4), (2, 4, 4)]):
+        pixels = patches(reference, grid, seed)
+        with torch.no_grad():
+            expected = reference.model.get_image_features(pixels, torch.tensor([grid])).pooler_output[0]
+            ours = tower.encode(ImageInput(pixels, grid))
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_generate_with_two_images_equals_transformers(checkpoint, any_backend_model) -> None:
+    """Two images of different sizes; chunks of 8 tokens end inside both images."""
+    _, reference = checkpoint
+    grids = [(1, 4, 6), (1, 8, 4)]
+    ids = torch.tensor([[11, 12, *image_tokens(grids[0]), 13, 14, 15, *image_tokens(grids[1]), 16, 17]])
+    pixels = torch.cat([patches(reference, grid, seed) for seed, grid in enumerate(grids)])
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels)
+    theirs = reference_generate(reference, **inputs, image_grid_thw=torch.tensor(grids))
+    ours = any_backend_model.generate(
+        **inputs,
+        image_grid_thw=torch.tensor(grids),
+        max_new_tokens=8,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert_same_generation(ours, theirs)
+    # The image is what decides: other pixels behind the same tokens give other logits.
+    other = any_backend_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=pixels.flip(0),
+        image_grid_thw=torch.tensor(grids),
+        max_new_tokens=1,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert (other.logits[0] - ours.logits[0]).abs().max() > 1e-2
+
+
+def test_a_batch_mixing_an_image_row_and_a_left_padded_text_row_equals_transformers(
+    checkpoint, model
+) -> None:
+    _, reference = checkpoint
+    grid = (1, 6, 4)
+    image_row = [21, *image_tokens(grid), 22, 23, 24]
+    text_row = [31, 32, 33, 34, 35]
+    width = len(image_row)
+    ids = torch.tensor([image_row, [0] * (width - len(text_row)) + text_row])
+    mask = torch.tensor([[1] * width, [0] * (width - len(text_row)) + [1] * len(text_row)])
+    pixels = patches(reference, grid, 5)
+    inputs = dict(
+        input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=torch.tensor([grid])
+    )
+    theirs = reference_generate(reference, **inputs)
+    ours = any_backend_model.generate(
+        **inputs, max_new_tokens=8, output_logits=True, return_dict_in_generate=True
+    )
+    assert_same_generation(ours, theirs)
+    # Batch invariance: each row alone gives the same tokens.
+    alone = any_backend_model.generate(
+        torch.tensor([image_row]), pixel_values=pixels, image_grid_thw=torch.tensor([grid]), max_new_tokens=8
+    )
+    assert alone[0].tolist() == ours.sequences[0].tolist()
+    assert (
+        any_backend_model.generate(torch.tensor([text_row]), max_new_tokens=8)[0].tolist()
+        == ours.sequences[1, -13:].tolist()
+    )
+
+
+def engine_tokens(engine: Any, prompt: list[int], images: tuple[ImageInput, ...]) -> tuple[list[int], int]:
+    """A greedy request's tokens and how many of its prompt tokens came from the prefix cache."""
+    request_id = engine.add_request(
+        EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=6), images=images)
+    )
+    request = engine.run()[request_id]
+    return request.output_ids, request.cached_prompt_tokens
+
+
+def test_the_prefix_cache_reuses_an_image_only_with_the_same_pixels(checkpoint) -> None:
+    _, reference = checkpoint
+    model = NeuronQwen36ForConditionalGeneration.from_pretrained(
+        checkpoint[0],
+        export=True,
+        **{**SETTINGS, "prefill_chunk_size": 64},
+        prefix_caching=True,
+        kv_block_size=16,
+    )
+    engine = model.create_engine()
+    grid = (1, 12, 8)  # 24 image tokens
+    prompt = [41, 42, *image_tokens(grid), *range(50, 90)]
+    image = ImageInput(patches(reference, grid, 7), grid)
+    cold, cold_hit = engine_tokens(engine, prompt, (image,))
+    warm, warm_hit = engine_tokens(engine, prompt, (image,))
+    assert cold_hit == 0 and warm_hit > len(image_tokens(grid)) and warm == cold
+    other = ImageInput(patches(reference, grid, 8), grid)
+    missed, missed_hit = engine_tokens(engine, prompt, (other,))
+    assert missed_hit <= 2  # at most the text before the image; never its tokens
+    fresh = NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint[0], export=True, **SETTINGS)
+    assert missed == engine_tokens(fresh.create_engine(), prompt, (other,))[0]
+
+
+def test_a_saved_model_is_a_transformers_checkpoint_again(checkpoint, model, tmp_path: Path) -> None:
+    model.save_pretrained(tmp_path)
+    loaded = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path).float()
+    _, reference = checkpoint
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    again = NeuronQwen36ForConditionalGeneration.from_pretrained(tmp_path)
+    grid = (1, 4, 4)
+    ids = torch.tensor([[7, *image_tokens(grid), 8]])
+    inputs = dict(
+        pixel_values=patches(reference, grid, 3), image_grid_thw=torch.tensor([grid]), max_new_tokens=4
+    )
+    assert again.generate(ids, **inputs).tolist() == model.generate(ids, **inputs).tolist()
+
+
+def test_bad_image_input_is_refused_with_the_reason(checkpoint, model) -> None:
+    _, reference = checkpoint
+    grid = (1, 4, 4)
+    pixels = patches(reference, grid, 0)
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        model.generate(
+            torch.tensor([[1, *image_tokens((1, 4, 8)), 2]]), pixel_values=pixels, image_grid_thw=[grid]
+        )
+    with pytest.raises(ValueError, match="more images"):
+        model.generate(torch.tensor([[1, 2]]), pixel_values=pixels, image_grid_thw=[grid])
+    with pytest.raises(ValueError, match="pixel_values"):
+        model.generate(
+            torch.tensor([[1, *image_tokens(grid)]]), pixel_values=pixels[:-1], image_grid_thw=[grid]
+        )
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        model.generate(torch.tensor([[1, *image_tokens(grid), 2]]))  # placeholders without an image
+    text_model = NeuronQwen36ForCausalLM.from_pretrained(checkpoint[0], export=True, **SETTINGS)
+    with pytest.raises(ValueError, match="NeuronQwen36ForConditionalGeneration"):
+        text_model.generate(
+            torch.tensor([[1, *image_tokens(grid)]]), pixel_values=pixels, image_grid_thw=[grid]
+        )
+    engine = text_model.create_engine()
+    with pytest.raises(ValueError, match="no vision tower"):
+        engine.add_request(EngineRequest([1, *image_tokens(grid)], images=(ImageInput(pixels, grid),)))
+
+
+def test_a_text_only_checkpoint_is_refused_by_the_vision_class(tiny_checkpoint) -> None:
+    directory, _ = tiny_checkpoint()
+    with pytest.raises(ValueError, match="NeuronQwen36ForCausalLM"):
+        NeuronQwen36ForConditionalGeneration.from_pretrained(directory, export=True, **SETTINGS)
