@@ -183,6 +183,7 @@ def serve_app(args: argparse.Namespace) -> FastAPI:
         api_key=args.api_key or os.environ.get("OPTIMUM_QWEN36_API_KEY"),
         default_enable_thinking=args.default_enable_thinking == "true",
         max_waiting_requests=args.max_waiting_requests,
+        web_ui=args.web_ui,
     )
 
     def load() -> ServedModel:
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("true", "false"),
         default="true",
         help="the chat template's enable_thinking when a request does not set chat_template_kwargs",
+    )
+    serve.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve a chat page at / over the OpenAI endpoints (default: on; see docs/WEB_UI.md)",
     )
     serve.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     serve.add_argument(

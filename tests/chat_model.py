@@ -6,12 +6,17 @@ those, so this is how the server's reasoning and tool-call paths meet real model
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from conftest import save_tiny_checkpoint
 
 from optimum_qwen36.server.chat import render_chat
@@ -87,6 +92,45 @@ def prompt_text(tokenizer: Any, conversation: Conversation) -> str:
     return render_chat(tokenizer, conversation.messages, conversation.tools, kwargs)
 
 
+def _training_examples(tokenizer: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each conversation as (prompt + answer + EOS ids, the answer's start)."""
+    examples = []
+    for conversation in CONVERSATIONS.values():
+        prompt = tokenizer.encode(prompt_text(tokenizer, conversation), add_special_tokens=False)
+        answer = [*tokenizer.encode(conversation.answer, add_special_tokens=False), tokenizer.eos_token_id]
+        examples.append((torch.tensor([prompt + answer]), len(prompt)))
+    return examples
+
+
+def cached_chat_checkpoint() -> Path:
+    """The trained checkpoint, trained once for what it depends on and kept in the temp directory.
+
+    Training takes minutes on a small CPU, and several test modules (the server's, the web UI's) serve this
+    model: the first to ask trains it while the others wait on a file lock. The key covers this file and
+    conftest.py (the recipe and the tiny config), the rendered training ids (the chat template and the
+    tokenizer), the end-of-turn ids and the torch and transformers versions."""
+    here = Path(__file__).parent
+    key = hashlib.sha256()
+    for source in (here / "chat_model.py", here / "conftest.py"):
+        key.update(source.read_bytes())
+    tokenizer = load_qwen36_tokenizer()
+    for ids, start in _training_examples(tokenizer):
+        key.update(json.dumps([ids[0].tolist(), start]).encode())
+    key.update(json.dumps([tokenizer.eos_token_id, tokenizer.pad_token_id]).encode())
+    key.update(f"{torch.__version__} {transformers.__version__}".encode())
+    root = Path(tempfile.gettempdir()) / "optimum-qwen36-tests"
+    root.mkdir(exist_ok=True)
+    directory = root / f"chat-model-{key.hexdigest()[:16]}"
+    with open(root / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not directory.is_dir():
+            partial = root / f"{directory.name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            train_chat_checkpoint(partial)
+            partial.rename(directory)  # complete or absent, even if a test run is killed while training
+    return directory
+
+
 def train_chat_checkpoint(directory: Path) -> Path:
     """Train the tiny model on CONVERSATIONS (loss on the answers only) and save it.
 
@@ -96,11 +140,7 @@ def train_chat_checkpoint(directory: Path) -> Path:
     (MARGIN), which stands for every untrained row."""
     tokenizer = load_qwen36_tokenizer()
     _, model = save_tiny_checkpoint(directory, "causal", seed=5, vocab_size=VOCAB_SIZE)
-    examples = []
-    for conversation in CONVERSATIONS.values():
-        prompt = tokenizer.encode(prompt_text(tokenizer, conversation), add_special_tokens=False)
-        answer = [*tokenizer.encode(conversation.answer, add_special_tokens=False), tokenizer.eos_token_id]
-        examples.append((torch.tensor([prompt + answer]), len(prompt)))
+    examples = _training_examples(tokenizer)
     used = torch.unique(torch.cat([ids[0, start:] for ids, start in examples]))
     lm_head = model.lm_head.weight
     head = torch.nn.Parameter(lm_head.detach()[used].clone())

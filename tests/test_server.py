@@ -19,7 +19,6 @@ from typing import Any
 import openai
 import pytest
 import torch
-import uvicorn
 from chat_model import (
     CONVERSATIONS,
     GREETING,
@@ -27,68 +26,24 @@ from chat_model import (
     WEATHER_ARGUMENTS,
     WEATHER_QUESTION,
     WEATHER_TOOL,
-    train_chat_checkpoint,
+    cached_chat_checkpoint,
 )
 from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
+from running_server import API_KEY, RunningServer
 from transformers import AutoModelForCausalLM
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.server import ServerSettings, build_app, served_model
 
-API_KEY = "test-key"
 MODEL = "tiny-chat"
 SLOTS = 4
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-class RunningServer:
-    """uvicorn serving `app` on its own thread until `stop()`."""
-
-    def __init__(self, app: Any) -> None:
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        self.app = app
-
-    def wait_healthy(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.status("GET", "/health") == 200:
-                return
-            time.sleep(0.1)
-        raise TimeoutError("the server never became healthy")
-
-    def request(
-        self, method: str, path: str, body: Any = None, key: str | None = API_KEY, raw: bytes | None = None
-    ) -> tuple[int, dict[str, str], bytes]:
-        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                return response.status, dict(response.headers), response.read()
-        except urllib.error.HTTPError as error:
-            return error.code, dict(error.headers), error.read()
-        except (ConnectionError, urllib.error.URLError):
-            return 0, {}, b""
-
-    def status(self, method: str, path: str) -> int:
-        return self.request(method, path)[0]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_chat_checkpoint(tmp_path_factory.mktemp("chat") / "checkpoint")
+def checkpoint() -> Path:
+    return cached_chat_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -411,15 +366,6 @@ def test_concurrent_streaming_clients_match_their_solo_outputs(client) -> None:
     assert together == solo
 
 
-def running_requests(server) -> float:
-    status, _, body = server.request("GET", "/metrics")
-    assert status == 200
-    for family in text_string_to_metric_families(body.decode()):
-        if family.name == "optimum_qwen36:num_requests_running":
-            return sum(sample.value for sample in family.samples)
-    raise AssertionError("no num_requests_running metric")
-
-
 def test_client_disconnect_frees_its_slot(server) -> None:
     body = json.dumps(
         {"model": MODEL, "prompt": "Hello", "max_tokens": 900, "stream": True, "ignore_eos": True}
@@ -433,16 +379,9 @@ def test_client_disconnect_frees_its_slot(server) -> None:
     received = b""
     while received.count(b"data:") < 3:
         received += connection.recv(4096)
-    assert running_requests(server) == 1
+    assert server.running_requests() == 1
     connection.close()
-    wait_until_idle(server)
-
-
-def wait_until_idle(server) -> None:
-    deadline = time.monotonic() + 10
-    while (running_requests(server) or server.app.state.server._in_flight) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running_requests(server) == 0 and server.app.state.server._in_flight == 0
+    server.wait_until_idle()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -459,7 +398,7 @@ def test_client_that_leaves_early_frees_its_slots(server, stream: bool) -> None:
     connection.sendall(request.encode())
     time.sleep(0.3)
     connection.close()
-    wait_until_idle(server)
+    server.wait_until_idle()
 
 
 def test_metrics_parse(server, client) -> None:

@@ -3,7 +3,8 @@ the engine's asyncio face. Each choice of a request is one engine request; a cli
 aborts its requests, which frees their slots and blocks at once.
 
 `build_app(load, settings)` returns the app; `load()` runs in a thread at startup and returns the
-`ServedModel` (exporting a checkpoint can take minutes); until it is done `/health` answers 503.
+`ServedModel` (exporting a checkpoint can take minutes); until it is done `/health` answers 503. Unless
+settings.web_ui is off, a chat page is served at `/` (web_ui.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .errors import OpenAIError, install_error_handlers
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .served import ServedModel, ServerSettings
+from .web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
 
@@ -91,4 +93,6 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
 
+    if settings.web_ui:
+        install_web_ui(app, default_enable_thinking=settings.default_enable_thinking)
     return app

@@ -32,3 +32,5 @@ class ServerSettings:
     default_enable_thinking: bool = True
     # Requests queued beyond the running ones; more get a 503 with Retry-After.
     max_waiting_requests: int = 256
+    # The chat page at / (web_ui.py); off, / is a 404 like any unknown path.
+    web_ui: bool = True
