@@ -110,7 +110,7 @@ def test_generate_with_two_images_equals_transformers(checkpoint, any_backend_mo
 
 
 def test_a_batch_mixing_an_image_row_and_a_left_padded_text_row_equals_transformers(
-    checkpoint, model
+    checkpoint, any_backend_model
 ) -> None:
     _, reference = checkpoint
     grid = (1, 6, 4)
