@@ -1,5 +1,6 @@
 """Shared test utilities: left-padded random prompts, exporting a tiny checkpoint, a free local port, a
-logits processor that fails in one process, a hook on the MTP layer's drafts."""
+logits processor that fails in one process, a hook on the MTP layer's drafts, images of a tiny
+vision-language checkpoint."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TINY_VISION_TOKENS
 from transformers.generation.logits_process import LogitsProcessor
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
@@ -212,3 +214,16 @@ def recording_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, .
 
     after_drafting(monkeypatch, record)
     return drafts
+
+
+def image_patches(vision_config: Any, grid: tuple[int, int, int], seed: int) -> torch.Tensor:
+    """Random pixel patches of an image of `grid` (t, h, w), as the processor emits them."""
+    width = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+    return torch.randn(grid[0] * grid[1] * grid[2], width, generator=torch.Generator().manual_seed(seed))
+
+
+def image_tokens(grid: tuple[int, int, int]) -> list[int]:
+    """An image's span in a rendered prompt of the tiny vision-language checkpoints: its placeholder
+    expanded to one token per 2x2 merged patch, between the vision delimiters."""
+    start, end = TINY_VISION_TOKENS["vision_start_token_id"], TINY_VISION_TOKENS["vision_end_token_id"]
+    return [start] + [TINY_VISION_TOKENS["image_token_id"]] * (grid[0] * grid[1] * grid[2] // 4) + [end]

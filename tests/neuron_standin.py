@@ -182,11 +182,15 @@ class StandInNeuronSDK:
         self.compile_calls.append((name, kwargs))
         built: dict[tuple[Any, ...], Build] = {}
 
-        def compiled(*args: Any) -> Any:
-            signature = tuple(_describe(a) for a in args)
+        def compiled(*args: Any, **inputs: Any) -> Any:
+            # Dynamo guards on the keyword arguments too: a call with others traces (and builds) anew.
+            signature = (
+                *(_describe(a) for a in args),
+                *((k, _describe(v)) for k, v in sorted(inputs.items())),
+            )
             if signature not in built:
                 built[signature] = self._build(model, name, signature, kwargs)
-            return model(*args)
+            return model(*args, **inputs)
 
         return compiled
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import add_random_mtp_weights, save_tiny_checkpoint, tiny_text_config
-from helpers import export_eager, free_port, left_padded_prompts
+from helpers import export_eager, free_port, image_patches, image_tokens, left_padded_prompts
 from neuron_standin import (
     DEVICE,
     FAIL_COMPILE_ON_RANK_ENV,
@@ -31,7 +31,7 @@ from neuron_standin import (
     StandInNeuronSDK,
 )
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
 from optimum_qwen36 import nki as nki_ops
 from optimum_qwen36.backends import neuron
 from optimum_qwen36.distributed.group import TensorParallelWorkerError
@@ -447,7 +447,7 @@ def test_torchrun_ranks_with_caches_of_their_own_save_every_ranks_neffs(
     script.write_text(
         textwrap.dedent(
             f"""
-            from optimum_qwen36 import NeuronQwen36ForCausalLM
+            from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
             model = NeuronQwen36ForCausalLM.from_pretrained(
                 {str(tp_checkpoint)!r}, export=True, backend="neuron", tp_degree=2, **{SETTINGS!r}
             )
@@ -508,3 +508,31 @@ def test_a_worker_failing_to_compile_ends_the_export_with_its_error(
     assert time.monotonic() - start < 60
     assert not torch.distributed.is_initialized()  # rank 0's group went with the failed export
     assert os.environ[VISIBLE_CORES_ENV] == "2-3"  # rank 0's share ("2") undone
+
+
+def test_images_run_graphs_of_their_own_compiled_at_export(
+    sdk: StandInNeuronSDK, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A vision-language checkpoint: the warm-up also compiles the prefill and decode steps with image
+    arguments (the tower runs on the host); a prompt with an image then gives the eager model's tokens
+    without compiling, and a saved model reads all four graphs from its NEFFs."""
+    checkpoint, reference = save_tiny_checkpoint(tmp_path / "ckpt", layout="conditional", seed=2)
+    grid = (1, 8, 6)
+    prompt = torch.tensor([[3, 4, *image_tokens(grid), *range(20, 40)]])
+    images = dict(pixel_values=image_patches(reference.config.vision_config, grid, 1), image_grid_thw=[grid])
+
+    def generate(model: NeuronQwen36ForConditionalGeneration) -> list[int]:
+        return model.generate(prompt, **images, max_new_tokens=6, do_sample=False)[0].tolist()
+
+    eager = NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint, export=True, **SETTINGS)
+    model = NeuronQwen36ForConditionalGeneration.from_pretrained(
+        checkpoint, export=True, backend="neuron", **SETTINGS
+    )
+    assert [b.step for b in sdk.builds] == ["prefill_chunk", "decode_step"] * 2
+    assert generate(model) == generate(eager)
+    assert len(sdk.builds) == 4  # nothing compiled at run time
+    model.save_pretrained(tmp_path / "saved")
+    new_process(sdk, monkeypatch)
+    loaded = NeuronQwen36ForConditionalGeneration.from_pretrained(tmp_path / "saved")
+    assert generate(loaded) == generate(eager)
+    assert {b.outcome for b in sdk.builds[4:]} == {"persistent hit"}

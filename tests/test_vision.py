@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
+from helpers import image_patches, image_tokens
 from transformers import Qwen3_5ForConditionalGeneration
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
@@ -16,7 +17,6 @@ from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.network.vision import ImageInput, Qwen36VisionModel
 
 IMAGE = TINY_VISION_TOKENS["image_token_id"]
-START, END = TINY_VISION_TOKENS["vision_start_token_id"], TINY_VISION_TOKENS["vision_end_token_id"]
 SETTINGS = dict(backend="eager", dtype="float32", batch_size=2, sequence_length=128, prefill_chunk_size=8)
 
 
@@ -39,20 +39,6 @@ def any_backend_model(checkpoint, request) -> NeuronQwen36ForConditionalGenerati
     return NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint[0], export=True, **settings)
 
 
-def patches(
-    reference: Qwen3_5ForConditionalGeneration, grid: tuple[int, int, int], seed: int
-) -> torch.Tensor:
-    """Random pixel patches of an image of `grid` (what the processor emits)."""
-    vision = reference.config.vision_config
-    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    return torch.randn(grid[0] * grid[1] * grid[2], width, generator=torch.Generator().manual_seed(seed))
-
-
-def image_tokens(grid: tuple[int, int, int]) -> list[int]:
-    """An image's span in a rendered prompt: its placeholder expanded to one token per 2x2 merged patch."""
-    return [START] + [IMAGE] * (grid[0] * grid[1] * grid[2] // 4) + [END]
-
-
 def reference_generate(reference: Qwen3_5ForConditionalGeneration, **inputs: Any) -> Any:
     inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE).long()
     with torch.no_grad():
@@ -73,7 +59,7 @@ def test_the_tower_equals_transformers_on_images_of_several_sizes(checkpoint) ->
     state = {k.removeprefix("model.visual."): v for k, v in reference.state_dict().items() if "visual." in k}
     tower.load_state_dict(state)
     for seed, grid in enumerate([(1, 4, 6), (1, 10, 4), (2, 4, 4)]):
-        pixels = patches(reference, grid, seed)
+        pixels = image_patches(reference.config.vision_config, grid, seed)
         with torch.no_grad():
             expected = reference.model.get_image_features(pixels, torch.tensor([grid])).pooler_output[0]
             ours = tower.encode(ImageInput(pixels, grid))
@@ -85,7 +71,9 @@ def test_generate_with_two_images_equals_transformers(checkpoint, any_backend_mo
     _, reference = checkpoint
     grids = [(1, 4, 6), (1, 8, 4)]
     ids = torch.tensor([[11, 12, *image_tokens(grids[0]), 13, 14, 15, *image_tokens(grids[1]), 16, 17]])
-    pixels = torch.cat([patches(reference, grid, seed) for seed, grid in enumerate(grids)])
+    pixels = torch.cat(
+        [image_patches(reference.config.vision_config, grid, seed) for seed, grid in enumerate(grids)]
+    )
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels)
     theirs = reference_generate(reference, **inputs, image_grid_thw=torch.tensor(grids))
     ours = any_backend_model.generate(
@@ -119,7 +107,7 @@ def test_a_batch_mixing_an_image_row_and_a_left_padded_text_row_equals_transform
     width = len(image_row)
     ids = torch.tensor([image_row, [0] * (width - len(text_row)) + text_row])
     mask = torch.tensor([[1] * width, [0] * (width - len(text_row)) + [1] * len(text_row)])
-    pixels = patches(reference, grid, 5)
+    pixels = image_patches(reference.config.vision_config, grid, 5)
     inputs = dict(
         input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=torch.tensor([grid])
     )
@@ -160,11 +148,11 @@ def test_the_prefix_cache_reuses_an_image_only_with_the_same_pixels(checkpoint) 
     engine = model.create_engine()
     grid = (1, 12, 8)  # 24 image tokens
     prompt = [41, 42, *image_tokens(grid), *range(50, 90)]
-    image = ImageInput(patches(reference, grid, 7), grid)
+    image = ImageInput(image_patches(reference.config.vision_config, grid, 7), grid)
     cold, cold_hit = engine_tokens(engine, prompt, (image,))
     warm, warm_hit = engine_tokens(engine, prompt, (image,))
     assert cold_hit == 0 and warm_hit > len(image_tokens(grid)) and warm == cold
-    other = ImageInput(patches(reference, grid, 8), grid)
+    other = ImageInput(image_patches(reference.config.vision_config, grid, 8), grid)
     missed, missed_hit = engine_tokens(engine, prompt, (other,))
     assert missed_hit <= 2  # at most the text before the image; never its tokens
     fresh = NeuronQwen36ForConditionalGeneration.from_pretrained(checkpoint[0], export=True, **SETTINGS)
@@ -181,7 +169,9 @@ def test_a_saved_model_is_a_transformers_checkpoint_again(checkpoint, model, tmp
     grid = (1, 4, 4)
     ids = torch.tensor([[7, *image_tokens(grid), 8]])
     inputs = dict(
-        pixel_values=patches(reference, grid, 3), image_grid_thw=torch.tensor([grid]), max_new_tokens=4
+        pixel_values=image_patches(reference.config.vision_config, grid, 3),
+        image_grid_thw=torch.tensor([grid]),
+        max_new_tokens=4,
     )
     assert again.generate(ids, **inputs).tolist() == model.generate(ids, **inputs).tolist()
 
@@ -189,7 +179,7 @@ def test_a_saved_model_is_a_transformers_checkpoint_again(checkpoint, model, tmp
 def test_bad_image_input_is_refused_with_the_reason(checkpoint, model) -> None:
     _, reference = checkpoint
     grid = (1, 4, 4)
-    pixels = patches(reference, grid, 0)
+    pixels = image_patches(reference.config.vision_config, grid, 0)
     with pytest.raises(ValueError, match="image placeholder tokens"):
         model.generate(
             torch.tensor([[1, *image_tokens((1, 4, 8)), 2]]), pixel_values=pixels, image_grid_thw=[grid]

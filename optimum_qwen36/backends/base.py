@@ -86,6 +86,11 @@ class ImageEncoder:
         """The image's features [image tokens, hidden], in the tower's dtype."""
         return self.tower.encode(image)
 
+    def no_features(self, tokens: int) -> torch.Tensor:
+        """Features [tokens, hidden] of no image (zeros, for tokens that are text)."""
+        out = self.tower.merger.linear_fc2
+        return torch.zeros((tokens, out.out_features), dtype=out.weight.dtype)
+
 
 # The fewest tokens a prefill graph takes, block-table columns a step passes, rows a batched step takes and
 # sequences a packed prefill graph takes: Inductor compiles dynamic sizes for 2 and up

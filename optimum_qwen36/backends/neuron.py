@@ -185,7 +185,9 @@ class NeuronBackend:
     # With tensor parallelism each rank compiles its own graphs: they hold rank-specific constants (the
     # first token of its share of the vocabulary), so its NEFFs may be its own.
     per_rank_graphs = True
-    takes_images = False  # the compiled graphs take text steps' arguments only
+    # A prefill or decode call with image arguments runs a graph of its own (static shapes: one more NEFF
+    # per step, compiled at export by exporters/neuron.py's `compile_image_steps`).
+    takes_images = True
     decodes_any_batch = False  # static shapes: decode always runs the exported batch
     min_step_rows = 1
     packs_prefill = False  # static shapes: one sequence's chunk per prefill call
@@ -251,17 +253,21 @@ class NeuronBackend:
         self._compiled = self.neff_cache.neffs() - self._neffs_before
         return self._compiled
 
-    def run(self, method: str, args: tuple[torch.Tensor, ...]) -> Any:
-        """Step `method` on the device; its results back on the CPU."""
+    def run(
+        self, method: str, args: tuple[torch.Tensor, ...], images: dict[str, torch.Tensor] | None = None
+    ) -> Any:
+        """Step `method` on the device (with a prompt's image arguments: its image graph); its results back
+        on the CPU."""
+        on_device = {name: tensor.to(self.device) for name, tensor in (images or {}).items()}
         with torch.no_grad():
-            out = self.steps[method](*(a.to(self.device) for a in args))
+            out = self.steps[method](*(a.to(self.device) for a in args), **on_device)
         return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
-    def prefill_chunk(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.run("prefill_chunk", args)
+    def prefill_chunk(self, *args: torch.Tensor, **images: torch.Tensor) -> torch.Tensor:
+        return self.run("prefill_chunk", args, images)
 
-    def decode_step(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.run("decode_step", args)
+    def decode_step(self, *args: torch.Tensor, **images: torch.Tensor) -> torch.Tensor:
+        return self.run("decode_step", args, images)
 
     def prefill_chunk_hidden(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run("prefill_chunk_hidden", args)

@@ -216,25 +216,26 @@ class Engine:
     def _chunk_images(self, request: Request, start: int, end: int) -> ChunkImages | None:
         """What the chunk start..end of a request with images reads besides its tokens: their rotary
         positions, and the features of the image tokens among them (each image encoded when its first chunk
-        runs and dropped after its last)."""
+        runs and dropped after its last). Every chunk of such a request passes features (none past its
+        images): one step signature, one graph where the backend's graphs have static shapes."""
         placed = request.images
         if placed is None:
             return None
-        images = ChunkImages(placed.positions(start, end))
+        assert self.image_encoder is not None
+        features = self.image_encoder.no_features(end - start)
+        images = ChunkImages(
+            placed.positions(start, end), features, torch.zeros(end - start, dtype=torch.bool)
+        )
         for index, (image, first, last) in enumerate(
             zip(placed.images, placed.starts, placed.ends(), strict=True)
         ):
             if last <= start or first >= end:
                 continue
-            features = request.image_features.get(index)
-            if features is None:
-                assert self.image_encoder is not None
-                features = request.image_features[index] = self.image_encoder.encode(image)
-            if images.features is None:
-                images.features = features.new_zeros((end - start, features.shape[-1]))
-                images.mask = torch.zeros(end - start, dtype=torch.bool)
+            encoded = request.image_features.get(index)
+            if encoded is None:
+                encoded = request.image_features[index] = self.image_encoder.encode(image)
             lo, hi = max(first, start), min(last, end)
-            images.features[lo - start : hi - start] = features[lo - first : hi - first]
+            features[lo - start : hi - start] = encoded[lo - first : hi - first]
             images.mask[lo - start : hi - start] = True
             if last <= end:
                 del request.image_features[index]

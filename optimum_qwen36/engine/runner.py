@@ -35,11 +35,11 @@ from ..network.cache import PADDING_SLOT, CacheStorage
 class ChunkImages:
     """What a prefill chunk of a prompt with images reads besides its tokens: each token's rotary positions
     [3, n] (network/vision.py), and the image features [n, hidden] that stand in for the embeddings of the
-    tokens where `mask` [n] is set (None: the chunk holds no image token)."""
+    tokens where `mask` [n] is set."""
 
     rope_positions: torch.Tensor
-    features: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    features: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass
@@ -75,7 +75,9 @@ class ModelRunner:
         """Compute `tokens` (at most one chunk) at positions start.. of the sequence in `slot`, whose blocks
         are `block_table` [max_blocks]; returns the logits after the last one, [1, vocab]."""
         chunk = PackedChunk(tokens, start, slot, block_table, images=images)
-        return self.backend.prefill_chunk(*self._prefill_args(chunk), **self._chunk_images([chunk]))
+        return self.backend.prefill_chunk(
+            *self._prefill_args(chunk), **self._chunk_images([chunk], self.prefill_chunk_size)
+        )
 
     def prefill_packed(self, chunks: Sequence[PackedChunk]) -> torch.Tensor:
         """Compute several sequences' chunks (distinct slots, at most `max_packed_tokens` in all, at most
@@ -119,7 +121,7 @@ class ModelRunner:
             torch.stack([chunk.block_table for chunk in chunks]),
             *self.cache.step_tensors(),
             **snapshots,
-            **self._chunk_images(chunks),
+            **self._chunk_images(chunks, total),
         )
 
     def prefill_hidden(
@@ -132,7 +134,9 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill`, also returning the normed hidden states of the (padded) chunk, [1, chunk, hidden]."""
         chunk = PackedChunk(tokens, start, slot, block_table, images=images)
-        return self.backend.prefill_chunk_hidden(*self._prefill_args(chunk), **self._chunk_images([chunk]))
+        return self.backend.prefill_chunk_hidden(
+            *self._prefill_args(chunk), **self._chunk_images([chunk], self.prefill_chunk_size)
+        )
 
     def prefill_positions(
         self,
@@ -163,37 +167,31 @@ class ModelRunner:
             *self.cache.step_tensors(),
         )
 
-    def _chunk_images(self, chunks: Sequence[PackedChunk]) -> dict[str, torch.Tensor]:
-        """The image keyword arguments of a prefill call over `chunks` (packed one after the other, padded
-        to the compiled chunk where there is one): none unless a chunk has images."""
+    def _chunk_images(self, chunks: Sequence[PackedChunk], width: int) -> dict[str, torch.Tensor]:
+        """The image keyword arguments of a prefill call over `chunks` (packed one after the other in
+        `width` tokens, the rest padding): none unless a chunk has images; the others' rotary positions are
+        their indices, their tokens text."""
         if all(chunk.images is None for chunk in chunks):
             return {}
-        sizes = [len(chunk.tokens) for chunk in chunks]
-        total = sum(sizes) if len(chunks) > 1 else self.prefill_chunk_size
-        rope = torch.zeros((3, total), dtype=torch.long)
+        rope = torch.zeros((3, width), dtype=torch.long)
+        hidden = next(chunk.images.features for chunk in chunks if chunk.images is not None)
+        features = hidden.new_zeros((width, hidden.shape[-1]))
+        mask = torch.zeros(width, dtype=torch.bool)
         first = 0
-        for chunk, size in zip(chunks, sizes, strict=True):
-            own = chunk.images.rope_positions if chunk.images is not None else None
-            rope[:, first : first + size] = (
-                own if own is not None else torch.arange(chunk.start, chunk.start + size)
-            )
-            first += size
-        arguments = {"rope_positions": rope.unsqueeze(1)}
-        with_features = [
-            chunk.images for chunk in chunks if chunk.images and chunk.images.features is not None
-        ]
-        if with_features:
-            reference = with_features[0].features
-            features = reference.new_zeros((total, reference.shape[-1]))
-            mask = torch.zeros(total, dtype=torch.bool)
-            first = 0
-            for chunk, size in zip(chunks, sizes, strict=True):
-                if chunk.images is not None and chunk.images.features is not None:
-                    features[first : first + size] = chunk.images.features
-                    mask[first : first + size] = chunk.images.mask
-                first += size
-            arguments.update(vision_embeds=features.unsqueeze(0), vision_mask=mask.unsqueeze(0))
-        return arguments
+        for chunk in chunks:
+            end = first + len(chunk.tokens)
+            if chunk.images is None:
+                rope[:, first:end] = torch.arange(chunk.start, chunk.start + len(chunk.tokens))
+            else:
+                rope[:, first:end] = chunk.images.rope_positions
+                features[first:end] = chunk.images.features
+                mask[first:end] = chunk.images.mask
+            first = end
+        return {
+            "rope_positions": rope.unsqueeze(1),
+            "vision_embeds": features.unsqueeze(0),
+            "vision_mask": mask.unsqueeze(0),
+        }
 
     def decode(
         self,

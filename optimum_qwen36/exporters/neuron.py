@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..backends.neuron import NEFF_CACHE_ENV, NeuronBackend
 from ..network.cache import CacheStorage
 from ..network.model import Qwen36ForCausalLM
@@ -14,6 +16,28 @@ from ..network.neuron_config import Qwen36NeuronConfig
 from .example_args import example_step_args
 
 logger = logging.getLogger(__name__)
+
+
+def compile_image_steps(backend: NeuronBackend, neuron_config: Qwen36NeuronConfig) -> None:
+    """Compile the image graphs of the prefill and decode steps (a prompt's image arguments: rotary
+    positions, image features and where they go), which prompts with images run; their NEFFs join those
+    `compile_neuron_backend` recorded."""
+    config = backend.model.config
+    cache = CacheStorage.for_settings(config, neuron_config, backend.device, snapshot_slots=0)
+    examples = example_step_args(neuron_config, cache)
+    chunk, batch = neuron_config.prefill_chunk_size, neuron_config.batch_size
+    prefill_images = {
+        "rope_positions": torch.zeros((3, 1, chunk), dtype=torch.long),
+        "vision_embeds": torch.zeros((1, chunk, config.hidden_size), dtype=neuron_config.torch_dtype),
+        "vision_mask": torch.zeros((1, chunk), dtype=torch.bool),
+    }
+    backend.run("prefill_chunk", examples["prefill_chunk"], prefill_images)
+    backend.run(
+        "decode_step",
+        examples["decode_step"],
+        {"rope_positions": torch.zeros((3, batch, 1), dtype=torch.long)},
+    )
+    backend.record_compiled()
 
 
 def compile_neuron_backend(model: Qwen36ForCausalLM, neuron_config: Qwen36NeuronConfig) -> NeuronBackend:

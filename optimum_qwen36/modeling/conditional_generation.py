@@ -9,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..backends.base import ImageEncoder
+from ..exporters.neuron import compile_image_steps
 from ..network.config import MULTIMODAL_LM_PREFIX, is_multimodal_layout
 from ..network.vision import VISION_PREFIX
 from ..network.weights import build_vision_tower
@@ -44,6 +45,10 @@ class NeuronQwen36ForConditionalGeneration(NeuronQwen36ForCausalLM):
         placeholders = (config.image_token_id,)
         self.image_encoder = ImageEncoder(tower, placeholders, vision_config.spatial_merge_size)
         self.checkpoint_config = config
+        if self.backend.name == "neuron":
+            # The tower runs on the host (images of any size; static-shape NEFFs would need a bucket per
+            # size); the language model's steps with images are graphs of their own.
+            compile_image_steps(self.backend, self.neuron_config)
 
     def _checkpoint_config(self) -> PretrainedConfig:
         """The whole vision-language config, with the language model's as exported (quantization)."""
