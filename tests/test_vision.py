@@ -3,18 +3,27 @@ prefix cache, against transformers' Qwen3_5ForConditionalGeneration on a tiny ra
 
 from __future__ import annotations
 
+import base64
+import functools
+import http.server
+import io
+import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
 from helpers import image_patches, image_tokens
+from PIL import Image
 from transformers import Qwen3_5ForConditionalGeneration
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
 from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.network.vision import ImageInput, Qwen36VisionModel
+from optimum_qwen36.server.errors import OpenAIError
+from optimum_qwen36.server.images import ImageLimits, ImageReader
 
 IMAGE = TINY_VISION_TOKENS["image_token_id"]
 SETTINGS = dict(backend="eager", dtype="float32", batch_size=2, sequence_length=128, prefill_chunk_size=8)
@@ -206,3 +215,72 @@ def test_a_text_only_checkpoint_is_refused_by_the_vision_class(tiny_checkpoint) 
     directory, _ = tiny_checkpoint()
     with pytest.raises(ValueError, match="NeuronQwen36ForCausalLM"):
         NeuronQwen36ForConditionalGeneration.from_pretrained(directory, export=True, **SETTINGS)
+
+
+# ------------------------------------------------------------------------------------ the server's images
+def data_url(picture: Image.Image, image_format: str) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format=image_format, **({"lossless": True} if image_format == "WEBP" else {}))
+    return f"data:image/{image_format.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def reader(checkpoint) -> ImageReader:
+    config = checkpoint[1].config
+    return ImageReader(None, config.vision_config, IMAGE, ImageLimits(max_images_per_prompt=2))
+
+
+def test_image_parts_decode_png_jpeg_and_webp_into_the_processors_patches(reader: ImageReader) -> None:
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (70, 90, 3), dtype=np.uint8))
+    expected = reader.processor(images=[picture], return_tensors="pt")
+    for image_format in ("PNG", "WEBP"):  # lossless: the same pixels
+        (image,) = reader.read([("messages.0.content.0", data_url(picture, image_format))])
+        torch.testing.assert_close(image.pixel_values, expected["pixel_values"], rtol=0, atol=0)
+        assert list(image.grid_thw) == expected["image_grid_thw"][0].tolist()
+    (jpeg,) = reader.read([("messages.0.content.0", data_url(picture, "JPEG"))])
+    assert list(jpeg.grid_thw) == expected["image_grid_thw"][0].tolist()
+    assert reader.place([1, IMAGE, 2], [jpeg]) == [1] + [IMAGE] * jpeg.num_tokens(2) + [2]
+
+
+def test_bad_image_parts_are_refused_naming_the_part(checkpoint, reader: ImageReader) -> None:
+    picture = Image.fromarray(np.random.default_rng(2).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    where = "messages.0.content.1"
+    cases = {
+        "data:image/png;base64,bm90IGFuIGltYWdl": "could not be decoded",
+        "data:image/png;base64,%%%": "base64",
+        "https://example.com/cat.png": "fetches no image URLs",
+        "file:///etc/passwd": "data: or http",
+    }
+    for url, reason in cases.items():
+        with pytest.raises(OpenAIError, match=reason) as refused:
+            reader.read([(where, url)])
+        assert refused.value.status == 400 and where in str(refused.value)
+    with pytest.raises(OpenAIError, match="at most 2"):
+        reader.read([(where, data_url(picture, "PNG"))] * 3)
+    small = ImageReader(None, checkpoint[1].config.vision_config, IMAGE, ImageLimits(max_image_bytes=100))
+    with pytest.raises(OpenAIError, match="larger than"):
+        small.read([(where, data_url(picture, "PNG"))])
+
+
+def test_an_image_url_is_fetched_only_from_an_allowed_domain(checkpoint, tmp_path: Path) -> None:
+    picture = Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 48, 3), dtype=np.uint8))
+    picture.save(tmp_path / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    vision_config = checkpoint[1].config.vision_config
+    try:
+        allowed = ImageReader(None, vision_config, IMAGE, ImageLimits(allowed_media_domains=("127.0.0.1",)))
+        (fetched,) = allowed.read([("messages.0.content.0", url)])
+        (sent,) = allowed.read([("messages.0.content.0", data_url(picture, "PNG"))])
+        torch.testing.assert_close(fetched.pixel_values, sent.pixel_values, rtol=0, atol=0)
+        elsewhere = ImageReader(
+            None, vision_config, IMAGE, ImageLimits(allowed_media_domains=("example.com",))
+        )
+        with pytest.raises(OpenAIError, match="not among the allowed media domains"):
+            elsewhere.read([("messages.0.content.0", url)])
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
