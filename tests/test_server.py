@@ -429,6 +429,25 @@ def test_metrics_parse(server, client) -> None:
     assert success >= 1
 
 
+def metric_values(server) -> dict[str, float]:
+    status, _, body = server.request("GET", "/metrics")
+    assert status == 200
+    families = text_string_to_metric_families(body.decode())
+    return {sample.name: sample.value for family in families for sample in family.samples}
+
+
+def test_idle_kv_usage_counts_cached_prefixes_as_free(server, client) -> None:
+    """Cached prefix blocks no request holds are evicted on demand: kv_cache_usage_perc counts them as free
+    (a router reading it sees an idle replica as empty, as with vLLM), kv_cache_cached_perc exports them."""
+    prompt = list(range(5000, 5200))  # tokens no other test sends: three full blocks stay cached
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    server.wait_until_idle()
+    values = metric_values(server)
+    assert values["optimum_qwen36:kv_cache_usage_perc"] == 0.0
+    cached = values["optimum_qwen36:kv_cache_cached_perc"]
+    assert cached * values["optimum_qwen36:kv_blocks"] >= 3
+
+
 def test_models_tokenize_detokenize(server, client) -> None:
     (card,) = client.models.list().data
     assert card.id == MODEL
