@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.server import ServerSettings, build_app, served_model
+from optimum_qwen36.server.schemas import ChatCompletionChunk
 
 MODEL = "tiny-chat"
 SLOTS = 4
@@ -168,6 +170,64 @@ def test_tool_choice_required_forces_a_call(client) -> None:
     ).choices[0]
     assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
     assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+MOOD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "report_mood",
+        "parameters": {
+            "type": "object",
+            "properties": {"mood": {"enum": ["happy", "sad"]}, "sure": {"type": "boolean"}},
+            "required": ["mood", "sure"],
+        },
+    },
+}
+
+
+def forced(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_follow_the_schema(client, tool_choice: str) -> None:
+    """The model answers the greeting with text; forced, it calls the tool with every required parameter
+    typed as the schema says (a grammar over the template's <parameter=...> format)."""
+    tools = [MOOD_TOOL] if tool_choice == "required" else [WEATHER_TOOL, MOOD_TOOL]
+    choice = tool_choice if tool_choice == "required" else forced("report_mood")
+    answer = chat(client, GREETING, tools=tools, tool_choice=choice, max_tokens=64, extra_body=NO_THINKING)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    (call,) = answer.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "report_mood" and set(arguments) == {"mood", "sure"}
+    assert arguments["mood"] in ("happy", "sad") and isinstance(arguments["sure"], bool)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_come_after_the_reasoning(client, tool_choice: str) -> None:
+    """With thinking on, the grammar starts after </think>: the reasoning is the model's own."""
+    choice = tool_choice if tool_choice == "required" else forced("get_weather")
+    answer = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=choice).choices[0]
+    assert answer.message.reasoning == "The user wants the forecast: I call the tool.\n"
+    (call,) = answer.message.tool_calls
+    assert json.loads(call.function.arguments) == WEATHER_ARGUMENTS and answer.finish_reason == "tool_calls"
+
+
+def test_a_forced_call_never_ends_inside_the_reasoning(client, model) -> None:
+    """With thinking on, a forced call comes after the reasoning or the answer ends by length: the tokens
+    that would end it (here pushed by logit_bias) are held back until </think>."""
+    tokenizer = served_tokenizer(model)
+    ends = {str(tokenizer.convert_tokens_to_ids(t)): 100 for t in ("<|im_end|>", "<|endoftext|>")}
+    free = chat(client, GREETING, tools=[MOOD_TOOL], logit_bias=ends, max_tokens=8).choices[0]
+    assert free.finish_reason == "stop" and free.message.reasoning is None  # it ends at once
+    for choice in ("required", forced("report_mood")):
+        answer = chat(client, GREETING, tools=[MOOD_TOOL], tool_choice=choice, logit_bias=ends, max_tokens=8)
+        assert answer.choices[0].finish_reason == "length" and not answer.choices[0].message.tool_calls
+    # response_format too: its JSON comes, or the answer ends by length
+    json_object = chat(
+        client, GREETING, response_format={"type": "json_object"}, logit_bias=ends, max_tokens=8
+    )
+    assert json_object.choices[0].finish_reason == "length"
 
 
 def test_stop_string_spanning_tokens_is_never_emitted(client, model) -> None:
@@ -538,7 +598,43 @@ BAD_REQUESTS = {
         },
         None,
     ),
+    # Text must be valid Unicode: a lone surrogate escape is valid JSON but no text.
+    "lone surrogate in a prompt": ("/v1/completions", None, b'{"prompt": "\\ud800abc", "max_tokens": 2}'),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        None,
+        b'{"messages": [{"role": "user", "content": "\\udfffx"}]}',
+    ),
+    "lone surrogate to tokenize": ("/tokenize", None, b'{"prompt": "a\\ud800"}'),
+    # Strict types: a bool is no token id, 2.0 is no count.
+    "bool as a token id": ("/v1/completions", {**GOOD, "prompt": [[True, 5]]}, None),
+    "bool to detokenize": ("/detokenize", {"tokens": [True, 5]}, None),
+    "n as a float": ("/v1/completions", {**GOOD, "n": 2.0}, None),
+    "chat_template_kwargs sets add_generation_prompt": (
+        "/v1/chat/completions",
+        {"messages": GREETING, "chat_template_kwargs": {"add_generation_prompt": False}},
+        None,
+    ),
+    "prompt over the model length in a chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "lantern " * 1100}]},
+        None,
+    ),
+    "developer message after the first": (
+        "/v1/chat/completions",
+        {"messages": [*GREETING, {"role": "developer", "content": "Be brief."}]},
+        None,
+    ),
 }
+# Messages that betray the server's Python instead of saying what to change.
+PYTHON_INTERNALS = (
+    "Traceback",
+    "object has no attribute",
+    "keyword argument",
+    "NoneType",
+    "Overflow",
+    "Params",
+)
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=BAD_REQUESTS)
@@ -548,8 +644,81 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     assert status == 400, payload
     error = json.loads(payload)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["message"]
+    assert error["message"] and not any(telltale in error["message"] for telltale in PYTHON_INTERNALS)
     assert server.request("POST", "/v1/completions", GOOD)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("tool", "named"),
+    [
+        ({"type": "function", "function": {"name": "f", "parameters": "city"}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": 3}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": [{"type": "string"}]}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}, "'f'"),
+        ({"type": "function"}, "'function'"),
+        ({"type": "function", "function": {"name": "a>b"}}, "'a>b'"),
+        ({"type": "function", "function": {"name": 'say "hi"'}}, "'say \"hi\"'"),
+        ({"type": "function", "function": {"name": "two\nlines"}}, "'two\\nlines'"),
+        ({"type": "function", "function": {"name": "x" * 65}}, "x" * 65),
+        ({"type": "function", "function": {"name": ""}}, "''"),
+    ],
+)
+def test_malformed_tools_get_a_400_naming_the_tool(server, tool: dict, named: str) -> None:
+    """OpenAI's rule for names (^[a-zA-Z0-9_-]{1,64}$), parameters a JSON Schema object, with tool_choice auto
+    too: never a 500, never a call to a tool that is not there."""
+    status, _, payload = server.request(
+        "POST", "/v1/chat/completions", {"messages": GREETING, "tools": [tool]}
+    )
+    assert status == 400, payload
+    error = json.loads(payload)["error"]
+    assert error["param"].startswith("tools") and named in error["message"], error
+
+
+def test_a_server_failure_is_a_500_whose_traceback_is_logged(
+    server, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = server.app.state.server
+
+    def explode(_: Any) -> bytes:
+        raise RuntimeError("the metrics registry exploded")
+
+    caplog.set_level(logging.ERROR, logger="optimum_qwen36")
+    original, state.metrics.render = state.metrics.render, explode
+    try:
+        status, _, payload = server.request("GET", "/metrics")
+    finally:
+        state.metrics.render = original
+    assert status == 500 and "the metrics registry exploded" in json.loads(payload)["error"]["message"]
+    logged = [r for r in caplog.records if r.name.startswith("optimum_qwen36") and r.exc_info]
+    assert logged and logged[0].exc_info[1].args == ("the metrics registry exploded",)
+    assert "explode" in caplog.text  # the traceback, down to the failing frame
+
+
+def test_numbers_past_any_limit_are_no_limit_or_a_400(server) -> None:
+    """top_k beyond the vocabulary keeps all of it (0 or -1 do too); counts past 64 bits are a 400."""
+    answers = [
+        server.request("POST", "/v1/completions", {**GOOD, "top_k": top_k, "temperature": 1, "seed": 3})
+        for top_k in (10**30, 0, -1)
+    ]
+    assert [status for status, _, _ in answers] == [200] * 3
+    assert len({json.loads(body)["choices"][0]["text"] for _, _, body in answers}) == 1
+    for field in ("max_tokens", "min_tokens", "seed", "n", "logprobs"):
+        status, _, payload = server.request("POST", "/v1/completions", {**GOOD, field: 10**30})
+        assert status == 400 and json.loads(payload)["error"]["param"] == field, (field, payload)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {**GOOD, "prompt": [7] * 1100, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ink " * 1100}]}, "messages"),
+        ("/v1/completions", {**GOOD, "prompt": [7] * 1000, "max_tokens": 50}, "max_tokens"),
+    ],
+)
+def test_an_over_long_request_names_the_field_to_shorten(server, path: str, body: dict, param: str) -> None:
+    """A prompt that leaves no room is the prompt's (or the messages') fault, not max_tokens'."""
+    status, _, payload = server.request("POST", path, body)
+    assert status == 400 and json.loads(payload)["error"]["param"] == param
 
 
 def test_length_error_names_both_numbers(server) -> None:
@@ -585,14 +754,16 @@ def test_full_queue_answers_503_with_retry_after(server) -> None:
     assert json.loads(payload)["error"]["type"] == "service_unavailable_error"
 
 
-def test_health_is_503_until_the_model_is_loaded(model) -> None:
+def test_health_is_503_until_the_model_is_loaded(model, caplog: pytest.LogCaptureFixture) -> None:
     loaded = threading.Event()
 
     def load():
         loaded.wait(30)
         return served_model(model)
 
-    running = RunningServer(build_app(load, ServerSettings(MODEL, default_enable_thinking=False)))
+    caplog.set_level(logging.INFO, logger="optimum_qwen36")
+    settings = ServerSettings(MODEL, default_enable_thinking=False, url="http://127.0.0.1:1234")
+    running = RunningServer(build_app(load, settings))
     try:
         deadline = time.monotonic() + 10
         while running.status("GET", "/health") == 0 and time.monotonic() < deadline:
@@ -607,6 +778,8 @@ def test_health_is_503_until_the_model_is_loaded(model) -> None:
         assert (
             json.loads(response[2])["choices"][0]["message"]["content"] == CONVERSATIONS["no_thinking"].answer
         )
+        # The log says when the model is ready, and where.
+        assert f"Ready: serving {MODEL} at http://127.0.0.1:1234/v1" in caplog.text
     finally:
         loaded.set()
         running.stop()
@@ -617,7 +790,7 @@ def test_serve_command(checkpoint: Path) -> None:
     port = free_port()
     command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--backend", "eager"]
     command += ["--port", str(port), "--served-model-name", "cli", "--sequence-length", "512"]
-    command += ["--default-enable-thinking", "false", "--log-level", "warning"]
+    command += ["--default-enable-thinking", "false", "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -637,6 +810,7 @@ def test_serve_command(checkpoint: Path) -> None:
         process.terminate()
         output = process.communicate(timeout=30)[0].decode()
     assert process.returncode in (0, -15), output
+    assert f"Ready: serving cli at http://127.0.0.1:{port}/v1" in output, output
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-prefix-caching",)], ids=["default", "no-prefix-caching"])
@@ -661,6 +835,55 @@ def test_serve_caches_prefixes_unless_told_not_to(checkpoint: Path, flags: tuple
     assert first == 0
     assert second > 0 if args.prefix_caching else second == 0
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+
+
+# ---------------------------------------------------------------------- what clients read of the server
+def test_openapi_describes_the_server(server) -> None:
+    """/openapi.json is what generated clients and fuzzers build requests from: typed messages, the 200
+    bodies, and the OpenAI errors the server answers (never FastAPI's 422)."""
+    status, _, body = server.request("GET", "/openapi.json", key=None)
+    document = json.loads(body)
+    assert status == 200 and "422" not in body.decode()
+    chat_route = document["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat_route["responses"]) == {"200", "400", "401", "404", "503"}
+    ok = chat_route["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert "text/event-stream" in ok
+    error = chat_route["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    schemas = document["components"]["schemas"]
+    messages = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]
+    assert set(messages["discriminator"]["mapping"]) == {"system", "developer", "user", "assistant", "tool"}
+    assert schemas["ChatMessageOut"]["required"] == ["role", "content", "refusal"]
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for path in ("/v1/models", "/tokenize", "/v1/completions"):
+        for operation in document["paths"][path].values():
+            assert operation["responses"]["200"]["content"]["application/json"]["schema"], path
+
+
+def test_messages_carry_refusal_and_developer_is_system(server) -> None:
+    """OpenAI's message.refusal and logprobs.refusal (required, null here); a developer message renders as
+    the system message, as vLLM does."""
+    status, _, body = server.request(
+        "POST", "/v1/chat/completions", {"messages": GREETING, "logprobs": True, "max_tokens": 2}
+    )
+    choice = json.loads(body)["choices"][0]
+    assert status == 200 and choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
+    rendered = [
+        json.loads(
+            server.request(
+                "POST", "/tokenize", {"messages": [{"role": role, "content": "Be brief."}, *GREETING]}
+            )[2]
+        )
+        for role in ("system", "developer")
+    ]
+    assert rendered[0]["tokens"] == rendered[1]["tokens"]
+    streamed = {"messages": GREETING, "stream": True, "logprobs": True, "max_tokens": 3}
+    status, _, body = server.request("POST", "/v1/chat/completions", streamed)
+    events = [line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    for event in events[:-1]:  # every streamed chunk is what /openapi.json documents
+        ChatCompletionChunk.model_validate_json(event)
 
 
 # ---------------------------------------------------------------------- tensor parallelism

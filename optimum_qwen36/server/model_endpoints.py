@@ -1,5 +1,5 @@
-"""The endpoints that answer from the served model without generating: /health, /metrics, /v1/models,
-/tokenize and /detokenize."""
+"""The endpoints that answer from the served model without generating: /health, /metrics, /v1/models (and
+/v1/models/{id}), /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from .chat import render_chat
-from .errors import OpenAIError, bad_request
+from .chat import render_chat, template_messages
+from .errors import OpenAIError
 from .openai_server import OpenAIServer
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 
 def health(server: OpenAIServer) -> Response:
@@ -40,17 +40,21 @@ def models(server: OpenAIServer) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
-def tokenize(server: OpenAIServer, body: TokenizeRequest) -> dict[str, Any]:
+def model(server: OpenAIServer, model_id: str) -> dict[str, Any]:
+    server.check_model(model_id)
+    return models(server)["data"][0]
+
+
+def tokenize(server: OpenAIServer, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     model = server.ready()
     server.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("Give exactly one of prompt or messages.", "prompt")
-    if body.messages is not None:
+    if isinstance(body, TokenizeChatRequest):
         kwargs = {
             "enable_thinking": server.settings.default_enable_thinking,
             **(body.chat_template_kwargs or {}),
         }
-        text = render_chat(model.tokenizer, body.messages, [], kwargs, body.add_generation_prompt)
+        messages = template_messages(body.messages)
+        text = render_chat(model.tokenizer, messages, [], kwargs, body.add_generation_prompt)
         ids = model.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
