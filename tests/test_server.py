@@ -24,6 +24,7 @@ from chat_model import (
     CONVERSATIONS,
     GREETING,
     PERSON,
+    TOOL_RESULT,
     WEATHER_ARGUMENTS,
     WEATHER_QUESTION,
     WEATHER_TOOL,
@@ -56,7 +57,7 @@ def model(checkpoint: Path) -> NeuronQwen36ForCausalLM:
 
 @pytest.fixture(scope="module")
 def server(model):
-    settings = ServerSettings(MODEL, api_key=API_KEY, max_waiting_requests=32)
+    settings = ServerSettings(MODEL, api_key=API_KEY, max_waiting_requests=32, max_stored_responses=4)
     running = RunningServer(build_app(lambda: served_model(model), settings))
     running.wait_healthy()
     yield running
@@ -856,7 +857,7 @@ def test_openapi_describes_the_server(server) -> None:
     assert set(messages["discriminator"]["mapping"]) == {"system", "developer", "user", "assistant", "tool"}
     assert schemas["ChatMessageOut"]["required"] == ["role", "content", "refusal"]
     assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    for path in ("/v1/models", "/tokenize", "/v1/completions"):
+    for path in ("/v1/models", "/tokenize", "/v1/responses", "/tokenizer_info", "/v1/completions"):
         for operation in document["paths"][path].values():
             assert operation["responses"]["200"]["content"]["application/json"]["schema"], path
 
@@ -884,6 +885,149 @@ def test_messages_carry_refusal_and_developer_is_system(server) -> None:
     assert status == 200 and events[-1] == "[DONE]"
     for event in events[:-1]:  # every streamed chunk is what /openapi.json documents
         ChatCompletionChunk.model_validate_json(event)
+
+
+def test_tokenizer_info_serves_what_lm_evaluation_harness_reads(server, model) -> None:
+    """GET /tokenizer_info as vLLM serves it: tokenizer_config.json's settings with the chat template, which
+    lm-evaluation-harness renders itself (jinja2, as its RemoteTokenizer does) instead of loading the
+    tokenizer."""
+    import jinja2
+
+    status, _, body = server.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    config = json.loads((Path(model.tokenizer_dir) / "tokenizer_config.json").read_text())
+    assert status == 200 and info["eos_token"] == "<|im_end|>" and info["tokenizer_class"]
+    assert info["chat_template"] == served_tokenizer(model).chat_template
+    assert info["added_tokens_decoder"] == config["added_tokens_decoder"]
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    text = environment.from_string(info["chat_template"]).render(
+        messages=GREETING, add_generation_prompt=True
+    )
+    by_server = json.loads(server.request("POST", "/tokenize", {"messages": GREETING})[2])["tokens"]
+    from_text = json.loads(
+        server.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})[2]
+    )
+    assert from_text["tokens"] == by_server
+
+
+# ---------------------------------------------------------------------- the Responses API
+WEATHER_FUNCTION = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+def respond(client: openai.OpenAI, input: Any, **kwargs: Any):
+    return client.responses.create(model=MODEL, input=input, temperature=0, **kwargs)
+
+
+def test_responses_text_and_reasoning(client) -> None:
+    response = respond(client, "Say hello.")
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets me.\n"
+    assert message.type == "message" and response.output_text == "Hello! How can I help you today?"
+    assert response.status == "completed" and response.usage.output_tokens_details.reasoning_tokens > 0
+    usage = response.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    quiet = respond(client, [{"role": "user", "content": "Say hello."}], reasoning={"effort": "none"})
+    assert [item.type for item in quiet.output] == ["message"]
+    assert quiet.output_text == CONVERSATIONS["no_thinking"].answer
+    assert quiet.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_responses_instructions_are_the_system_message(server, client) -> None:
+    response = respond(client, "Say hello.", instructions="Be brief.", max_output_tokens=2)
+    messages = [{"role": "system", "content": "Be brief."}, *GREETING]
+    rendered = json.loads(server.request("POST", "/tokenize", {"messages": messages})[2])
+    assert response.usage.input_tokens == rendered["count"]
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 2
+
+
+def test_responses_stream_events_build_the_response(client) -> None:
+    """Streamed, OpenAI's typed events in order (the client's stream helper rebuilds the response from them
+    and checks their indices), ending with the same response as unstreamed."""
+    whole = respond(client, "Say hello.")
+    with client.responses.stream(model=MODEL, input="Say hello.", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for kind in ("reasoning_text.delta", "output_text.delta", "content_part.added", "output_item.done"):
+        assert f"response.{kind}" in kinds
+    assert final.output_text == whole.output_text and final.output[0].content == whole.output[0].content
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text
+    raw = list(respond(client, "Say hello.", stream=True, max_output_tokens=3))
+    assert raw[-1].type == "response.incomplete" and raw[-1].response.status == "incomplete"
+
+
+def test_responses_function_call_round_trip(client) -> None:
+    response = respond(client, "What is the weather in Paris?", tools=[WEATHER_FUNCTION])
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == WEATHER_ARGUMENTS
+    assert response.output_text == "" and response.output[0].type == "reasoning"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    follow_up = respond(
+        client, [*WEATHER_QUESTION, call.model_dump(exclude_none=True), result], tools=[WEATHER_FUNCTION]
+    )
+    assert follow_up.output_text == "It is 21 degrees in Paris."
+    # streamed, the call's arguments arrive as deltas that add up to them
+    with client.responses.stream(
+        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_FUNCTION], temperature=0
+    ) as stream:
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(deltas) == json.loads(done.arguments) == WEATHER_ARGUMENTS
+
+
+def test_responses_previous_response_id_continues_in_memory(server, client) -> None:
+    """A follow-up continues the stored conversation: its prompt is the history then its input, and reuses
+    the history's cached prefix."""
+    first = respond(client, "amber lantern " * 50, max_output_tokens=4)
+    follow_up = respond(client, "And then?", previous_response_id=first.id, max_output_tokens=2)
+    history = [
+        {"role": "user", "content": "amber lantern " * 50},
+        {
+            "role": "assistant",
+            "content": first.output_text,
+            "reasoning_content": first.output[0].content[0].text,
+        },
+        {"role": "user", "content": "And then?"},
+    ]
+    rendered = json.loads(server.request("POST", "/tokenize", {"messages": history})[2])
+    assert follow_up.usage.input_tokens == rendered["count"]
+    assert follow_up.usage.input_tokens_details.cached_tokens >= 64
+    assert client.responses.retrieve(follow_up.id).output == follow_up.output
+    # Only the last max_stored_responses (4 here) are kept; an older id is refused, saying what to do.
+    for _ in range(4):
+        respond(client, "Say hello.", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        respond(client, "And then?", previous_response_id=first.id)
+    assert refused.value.code == "previous_response_not_found" and "input" in refused.value.message
+    unstored = respond(client, "Say hello.", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0"),
+        ({"input": "\ud800"}, "input"),
+    ],
+)
+def test_responses_refuse_what_they_do_not_serve_by_name(server, body: dict, param: str) -> None:
+    status, _, payload = server.request("POST", "/v1/responses", body)
+    assert status == 400 and json.loads(payload)["error"]["param"].startswith(param), payload
 
 
 # ---------------------------------------------------------------------- tensor parallelism

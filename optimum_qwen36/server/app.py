@@ -30,13 +30,17 @@ from .completions import create_completion
 from .errors import OpenAIError, install_error_handlers
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses_api import ResponsesAPI
+from .responses_api_protocol import ResponsesRequest
 from .schemas import (
     ChatCompletion,
     Completion,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
     TokenizeResponse,
+    TokenizerInfo,
     describe_errors_as_served,
     error_responses,
     streamed,
@@ -74,6 +78,7 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     app.state.server = server
     install_error_handlers(app)
     describe_errors_as_served(app)
+    responses_api = ResponsesAPI(server)
 
     def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
         if settings.api_key is None:
@@ -117,6 +122,10 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return model_endpoints.detokenize(server, body)
 
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, **api)
+    async def tokenizer_info() -> dict[str, Any]:
+        return model_endpoints.tokenizer_info(server)
+
     @app.post("/v1/completions", **generating(Completion, "Completion bodies, then [DONE]"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(server, body, request)
@@ -124,6 +133,14 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     @app.post("/v1/chat/completions", **generating(ChatCompletion, "ChatCompletionChunk bodies, then [DONE]"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
+
+    @app.post("/v1/responses", **generating(ResponseObject, "the Responses API's typed events"))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, **api)
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        return responses_api.retrieve(response_id)
 
     if settings.web_ui:
         install_web_ui(app, default_enable_thinking=settings.default_enable_thinking)

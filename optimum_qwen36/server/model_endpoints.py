@@ -1,5 +1,5 @@
 """The endpoints that answer from the served model without generating: /health, /metrics, /v1/models (and
-/v1/models/{id}), /tokenize and /detokenize."""
+/v1/models/{id}), /tokenize, /detokenize and /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from fastapi.responses import Response
+from tokenizers import AddedToken
 
 from .chat import render_chat, template_messages
 from .errors import OpenAIError
@@ -65,3 +66,42 @@ def detokenize(server: OpenAIServer, body: DetokenizeRequest) -> dict[str, Any]:
     model = server.ready()
     server.check_model(body.model)
     return {"prompt": model.tokenizer.decode(server.check_ids(body.tokens, "tokens"))}
+
+
+def tokenizer_info(server: OpenAIServer) -> dict[str, Any]:
+    """The tokenizer's configuration as its tokenizer_config.json holds it, with its chat template, as vLLM's
+    /tokenizer_info serves it (lm-evaluation-harness then needs no local copy of the tokenizer)."""
+    tokenizer = server.ready().tokenizer
+    info = {k: v for k, v in (tokenizer.init_kwargs or {}).items() if k not in _LOCAL_TOKENIZER_KWARGS}
+    info = _as_json(info)
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+# init_kwargs that describe this machine's copy, not the tokenizer.
+_LOCAL_TOKENIZER_KWARGS = {
+    "name_or_path",
+    "vocab_file",
+    "merges_file",
+    "tokenizer_file",
+    "is_local",
+    "local_files_only",
+    "backend",
+}
+
+
+def _as_json(value: Any) -> Any:
+    """Tokenizer settings as JSON (an added token as its text's settings)."""
+    if isinstance(value, dict):
+        return {str(k): _as_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_json(v) for v in value]
+    if isinstance(value, AddedToken):
+        return _as_json(value.__getstate__())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

@@ -181,6 +181,64 @@ class DetokenizeResponse(_Body):
     prompt: str
 
 
+class TokenizerInfo(_Body):
+    """The tokenizer's tokenizer_config.json settings (more fields than these), as vLLM serves them."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None = None
+
+
+# ---------------------------------------------------------------------- the Responses API
+class ResponseText(_Body):
+    type: Literal["output_text", "reasoning_text"]
+    text: str
+
+
+class OutputItem(_Body):
+    """A reasoning item (content: reasoning_text parts), a message (content: output_text parts) or a
+    function call (call_id, name, arguments)."""
+
+    id: str
+    type: Literal["reasoning", "message", "function_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseText] | None = None
+    role: Literal["assistant"] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseUsage(_Body):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Body):
+    """A Responses API response (`stream` false), or, streamed, typed server-sent events whose last one
+    (response.completed or response.incomplete) carries it."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    error: ErrorDetail | None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    usage: ResponseUsage | None
+
+
 # ---------------------------------------------------------------------- the document
 _ERRORS = {
     400: "The request is invalid: the message says which field and why.",

@@ -36,5 +36,7 @@ class ServerSettings:
     max_waiting_requests: int = 256
     # The chat page at / (web_ui.py); off, / is a 404 like any unknown path.
     web_ui: bool = True
+    # Responses API responses kept in memory for previous_response_id (the oldest go first).
+    max_stored_responses: int = 1000
     # Where clients reach the server (the log says so once the model is loaded).
     url: str | None = None
