@@ -15,9 +15,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 import torch
 from chat_model import (
@@ -1028,6 +1029,36 @@ def test_responses_previous_response_id_continues_in_memory(server, client) -> N
 def test_responses_refuse_what_they_do_not_serve_by_name(server, body: dict, param: str) -> None:
     status, _, payload = server.request("POST", "/v1/responses", body)
     assert status == 400 and json.loads(payload)["error"]["param"].startswith(param), payload
+
+
+# ---------------------------------------------------------------------- LangChain
+def test_langchain_structured_output(server) -> None:
+    """LangChain's ChatOpenAI.with_structured_output: by function calling (a forced call, its arguments held
+    to the schema) and by json_schema (response_format)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, temperature=0, max_retries=0)
+    weather = llm.with_structured_output(WEATHER_TOOL["function"], method="function_calling")
+    assert weather.invoke(WEATHER_QUESTION[0]["content"]) == WEATHER_ARGUMENTS
+
+    class Mood(pydantic.BaseModel):
+        mood: Literal["happy", "sad"]
+        sure: bool
+
+    quiet = ChatOpenAI(
+        model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, temperature=0, max_retries=0,
+        extra_body=NO_THINKING, max_tokens=64,
+    )  # fmt: skip
+    assert isinstance(
+        quiet.with_structured_output(Mood, method="function_calling").invoke("Say hello."), Mood
+    )
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    person = quiet.with_structured_output(Person, method="json_schema").invoke(PERSON[0]["content"])
+    assert person == Person(name="Ada", age=36)
 
 
 # ---------------------------------------------------------------------- tensor parallelism
