@@ -13,6 +13,7 @@ download its entries (with --trust-compiled-code: they are native code) and uplo
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -184,6 +185,7 @@ def serve_app(args: argparse.Namespace) -> FastAPI:
         default_enable_thinking=args.default_enable_thinking == "true",
         max_waiting_requests=args.max_waiting_requests,
         web_ui=args.web_ui,
+        url=f"http://{args.host}:{args.port}",
     )
 
     def load() -> ServedModel:
@@ -198,8 +200,14 @@ def serve_app(args: argparse.Namespace) -> FastAPI:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
-    uvicorn.run(serve_app(args), host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn configures its own loggers; the server's (the ready line, tracebacks of failures) join them.
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    server_logger = {"handlers": ["default"], "level": args.log_level.upper(), "propagate": False}
+    log_config["loggers"]["optimum_qwen36"] = server_logger
+    app = serve_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -14,15 +15,17 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 import torch
 from chat_model import (
     CONVERSATIONS,
     GREETING,
     PERSON,
+    TOOL_RESULT,
     WEATHER_ARGUMENTS,
     WEATHER_QUESTION,
     WEATHER_TOOL,
@@ -35,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.server import ServerSettings, build_app, served_model
+from optimum_qwen36.server.schemas import ChatCompletionChunk
 
 MODEL = "tiny-chat"
 SLOTS = 4
@@ -54,7 +58,7 @@ def model(checkpoint: Path) -> NeuronQwen36ForCausalLM:
 
 @pytest.fixture(scope="module")
 def server(model):
-    settings = ServerSettings(MODEL, api_key=API_KEY, max_waiting_requests=32)
+    settings = ServerSettings(MODEL, api_key=API_KEY, max_waiting_requests=32, max_stored_responses=4)
     running = RunningServer(build_app(lambda: served_model(model), settings))
     running.wait_healthy()
     yield running
@@ -168,6 +172,64 @@ def test_tool_choice_required_forces_a_call(client) -> None:
     ).choices[0]
     assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
     assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+MOOD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "report_mood",
+        "parameters": {
+            "type": "object",
+            "properties": {"mood": {"enum": ["happy", "sad"]}, "sure": {"type": "boolean"}},
+            "required": ["mood", "sure"],
+        },
+    },
+}
+
+
+def forced(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_follow_the_schema(client, tool_choice: str) -> None:
+    """The model answers the greeting with text; forced, it calls the tool with every required parameter
+    typed as the schema says (a grammar over the template's <parameter=...> format)."""
+    tools = [MOOD_TOOL] if tool_choice == "required" else [WEATHER_TOOL, MOOD_TOOL]
+    choice = tool_choice if tool_choice == "required" else forced("report_mood")
+    answer = chat(client, GREETING, tools=tools, tool_choice=choice, max_tokens=64, extra_body=NO_THINKING)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    (call,) = answer.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "report_mood" and set(arguments) == {"mood", "sure"}
+    assert arguments["mood"] in ("happy", "sad") and isinstance(arguments["sure"], bool)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_come_after_the_reasoning(client, tool_choice: str) -> None:
+    """With thinking on, the grammar starts after </think>: the reasoning is the model's own."""
+    choice = tool_choice if tool_choice == "required" else forced("get_weather")
+    answer = chat(client, WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice=choice).choices[0]
+    assert answer.message.reasoning == "The user wants the forecast: I call the tool.\n"
+    (call,) = answer.message.tool_calls
+    assert json.loads(call.function.arguments) == WEATHER_ARGUMENTS and answer.finish_reason == "tool_calls"
+
+
+def test_a_forced_call_never_ends_inside_the_reasoning(client, model) -> None:
+    """With thinking on, a forced call comes after the reasoning or the answer ends by length: the tokens
+    that would end it (here pushed by logit_bias) are held back until </think>."""
+    tokenizer = served_tokenizer(model)
+    ends = {str(tokenizer.convert_tokens_to_ids(t)): 100 for t in ("<|im_end|>", "<|endoftext|>")}
+    free = chat(client, GREETING, tools=[MOOD_TOOL], logit_bias=ends, max_tokens=8).choices[0]
+    assert free.finish_reason == "stop" and free.message.reasoning is None  # it ends at once
+    for choice in ("required", forced("report_mood")):
+        answer = chat(client, GREETING, tools=[MOOD_TOOL], tool_choice=choice, logit_bias=ends, max_tokens=8)
+        assert answer.choices[0].finish_reason == "length" and not answer.choices[0].message.tool_calls
+    # response_format too: its JSON comes, or the answer ends by length
+    json_object = chat(
+        client, GREETING, response_format={"type": "json_object"}, logit_bias=ends, max_tokens=8
+    )
+    assert json_object.choices[0].finish_reason == "length"
 
 
 def test_stop_string_spanning_tokens_is_never_emitted(client, model) -> None:
@@ -429,6 +491,25 @@ def test_metrics_parse(server, client) -> None:
     assert success >= 1
 
 
+def metric_values(server) -> dict[str, float]:
+    status, _, body = server.request("GET", "/metrics")
+    assert status == 200
+    families = text_string_to_metric_families(body.decode())
+    return {sample.name: sample.value for family in families for sample in family.samples}
+
+
+def test_idle_kv_usage_counts_cached_prefixes_as_free(server, client) -> None:
+    """Cached prefix blocks no request holds are evicted on demand: kv_cache_usage_perc counts them as free
+    (a router reading it sees an idle replica as empty, as with vLLM), kv_cache_cached_perc exports them."""
+    prompt = list(range(5000, 5200))  # tokens no other test sends: three full blocks stay cached
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    server.wait_until_idle()
+    values = metric_values(server)
+    assert values["optimum_qwen36:kv_cache_usage_perc"] == 0.0
+    cached = values["optimum_qwen36:kv_cache_cached_perc"]
+    assert cached * values["optimum_qwen36:kv_blocks"] >= 3
+
+
 def test_models_tokenize_detokenize(server, client) -> None:
     (card,) = client.models.list().data
     assert card.id == MODEL
@@ -519,7 +600,43 @@ BAD_REQUESTS = {
         },
         None,
     ),
+    # Text must be valid Unicode: a lone surrogate escape is valid JSON but no text.
+    "lone surrogate in a prompt": ("/v1/completions", None, b'{"prompt": "\\ud800abc", "max_tokens": 2}'),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        None,
+        b'{"messages": [{"role": "user", "content": "\\udfffx"}]}',
+    ),
+    "lone surrogate to tokenize": ("/tokenize", None, b'{"prompt": "a\\ud800"}'),
+    # Strict types: a bool is no token id, 2.0 is no count.
+    "bool as a token id": ("/v1/completions", {**GOOD, "prompt": [[True, 5]]}, None),
+    "bool to detokenize": ("/detokenize", {"tokens": [True, 5]}, None),
+    "n as a float": ("/v1/completions", {**GOOD, "n": 2.0}, None),
+    "chat_template_kwargs sets add_generation_prompt": (
+        "/v1/chat/completions",
+        {"messages": GREETING, "chat_template_kwargs": {"add_generation_prompt": False}},
+        None,
+    ),
+    "prompt over the model length in a chat": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "lantern " * 1100}]},
+        None,
+    ),
+    "developer message after the first": (
+        "/v1/chat/completions",
+        {"messages": [*GREETING, {"role": "developer", "content": "Be brief."}]},
+        None,
+    ),
 }
+# Messages that betray the server's Python instead of saying what to change.
+PYTHON_INTERNALS = (
+    "Traceback",
+    "object has no attribute",
+    "keyword argument",
+    "NoneType",
+    "Overflow",
+    "Params",
+)
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=BAD_REQUESTS)
@@ -529,8 +646,81 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     assert status == 400, payload
     error = json.loads(payload)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert error["message"]
+    assert error["message"] and not any(telltale in error["message"] for telltale in PYTHON_INTERNALS)
     assert server.request("POST", "/v1/completions", GOOD)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("tool", "named"),
+    [
+        ({"type": "function", "function": {"name": "f", "parameters": "city"}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": 3}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": [{"type": "string"}]}}, "'f'"),
+        ({"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}, "'f'"),
+        ({"type": "function"}, "'function'"),
+        ({"type": "function", "function": {"name": "a>b"}}, "'a>b'"),
+        ({"type": "function", "function": {"name": 'say "hi"'}}, "'say \"hi\"'"),
+        ({"type": "function", "function": {"name": "two\nlines"}}, "'two\\nlines'"),
+        ({"type": "function", "function": {"name": "x" * 65}}, "x" * 65),
+        ({"type": "function", "function": {"name": ""}}, "''"),
+    ],
+)
+def test_malformed_tools_get_a_400_naming_the_tool(server, tool: dict, named: str) -> None:
+    """OpenAI's rule for names (^[a-zA-Z0-9_-]{1,64}$), parameters a JSON Schema object, with tool_choice auto
+    too: never a 500, never a call to a tool that is not there."""
+    status, _, payload = server.request(
+        "POST", "/v1/chat/completions", {"messages": GREETING, "tools": [tool]}
+    )
+    assert status == 400, payload
+    error = json.loads(payload)["error"]
+    assert error["param"].startswith("tools") and named in error["message"], error
+
+
+def test_a_server_failure_is_a_500_whose_traceback_is_logged(
+    server, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = server.app.state.server
+
+    def explode(_: Any) -> bytes:
+        raise RuntimeError("the metrics registry exploded")
+
+    caplog.set_level(logging.ERROR, logger="optimum_qwen36")
+    original, state.metrics.render = state.metrics.render, explode
+    try:
+        status, _, payload = server.request("GET", "/metrics")
+    finally:
+        state.metrics.render = original
+    assert status == 500 and "the metrics registry exploded" in json.loads(payload)["error"]["message"]
+    logged = [r for r in caplog.records if r.name.startswith("optimum_qwen36") and r.exc_info]
+    assert logged and logged[0].exc_info[1].args == ("the metrics registry exploded",)
+    assert "explode" in caplog.text  # the traceback, down to the failing frame
+
+
+def test_numbers_past_any_limit_are_no_limit_or_a_400(server) -> None:
+    """top_k beyond the vocabulary keeps all of it (0 or -1 do too); counts past 64 bits are a 400."""
+    answers = [
+        server.request("POST", "/v1/completions", {**GOOD, "top_k": top_k, "temperature": 1, "seed": 3})
+        for top_k in (10**30, 0, -1)
+    ]
+    assert [status for status, _, _ in answers] == [200] * 3
+    assert len({json.loads(body)["choices"][0]["text"] for _, _, body in answers}) == 1
+    for field in ("max_tokens", "min_tokens", "seed", "n", "logprobs"):
+        status, _, payload = server.request("POST", "/v1/completions", {**GOOD, field: 10**30})
+        assert status == 400 and json.loads(payload)["error"]["param"] == field, (field, payload)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {**GOOD, "prompt": [7] * 1100, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ink " * 1100}]}, "messages"),
+        ("/v1/completions", {**GOOD, "prompt": [7] * 1000, "max_tokens": 50}, "max_tokens"),
+    ],
+)
+def test_an_over_long_request_names_the_field_to_shorten(server, path: str, body: dict, param: str) -> None:
+    """A prompt that leaves no room is the prompt's (or the messages') fault, not max_tokens'."""
+    status, _, payload = server.request("POST", path, body)
+    assert status == 400 and json.loads(payload)["error"]["param"] == param
 
 
 def test_length_error_names_both_numbers(server) -> None:
@@ -566,14 +756,16 @@ def test_full_queue_answers_503_with_retry_after(server) -> None:
     assert json.loads(payload)["error"]["type"] == "service_unavailable_error"
 
 
-def test_health_is_503_until_the_model_is_loaded(model) -> None:
+def test_health_is_503_until_the_model_is_loaded(model, caplog: pytest.LogCaptureFixture) -> None:
     loaded = threading.Event()
 
     def load():
         loaded.wait(30)
         return served_model(model)
 
-    running = RunningServer(build_app(load, ServerSettings(MODEL, default_enable_thinking=False)))
+    caplog.set_level(logging.INFO, logger="optimum_qwen36")
+    settings = ServerSettings(MODEL, default_enable_thinking=False, url="http://127.0.0.1:1234")
+    running = RunningServer(build_app(load, settings))
     try:
         deadline = time.monotonic() + 10
         while running.status("GET", "/health") == 0 and time.monotonic() < deadline:
@@ -588,6 +780,8 @@ def test_health_is_503_until_the_model_is_loaded(model) -> None:
         assert (
             json.loads(response[2])["choices"][0]["message"]["content"] == CONVERSATIONS["no_thinking"].answer
         )
+        # The log says when the model is ready, and where.
+        assert f"Ready: serving {MODEL} at http://127.0.0.1:1234/v1" in caplog.text
     finally:
         loaded.set()
         running.stop()
@@ -598,7 +792,7 @@ def test_serve_command(checkpoint: Path) -> None:
     port = free_port()
     command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--backend", "eager"]
     command += ["--port", str(port), "--served-model-name", "cli", "--sequence-length", "512"]
-    command += ["--default-enable-thinking", "false", "--log-level", "warning"]
+    command += ["--default-enable-thinking", "false", "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -618,6 +812,7 @@ def test_serve_command(checkpoint: Path) -> None:
         process.terminate()
         output = process.communicate(timeout=30)[0].decode()
     assert process.returncode in (0, -15), output
+    assert f"Ready: serving cli at http://127.0.0.1:{port}/v1" in output, output
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-prefix-caching",)], ids=["default", "no-prefix-caching"])
@@ -642,6 +837,228 @@ def test_serve_caches_prefixes_unless_told_not_to(checkpoint: Path, flags: tuple
     assert first == 0
     assert second > 0 if args.prefix_caching else second == 0
     assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+
+
+# ---------------------------------------------------------------------- what clients read of the server
+def test_openapi_describes_the_server(server) -> None:
+    """/openapi.json is what generated clients and fuzzers build requests from: typed messages, the 200
+    bodies, and the OpenAI errors the server answers (never FastAPI's 422)."""
+    status, _, body = server.request("GET", "/openapi.json", key=None)
+    document = json.loads(body)
+    assert status == 200 and "422" not in body.decode()
+    chat_route = document["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat_route["responses"]) == {"200", "400", "401", "404", "503"}
+    ok = chat_route["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert "text/event-stream" in ok
+    error = chat_route["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    schemas = document["components"]["schemas"]
+    messages = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]
+    assert set(messages["discriminator"]["mapping"]) == {"system", "developer", "user", "assistant", "tool"}
+    assert schemas["ChatMessageOut"]["required"] == ["role", "content", "refusal"]
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for path in ("/v1/models", "/tokenize", "/v1/responses", "/tokenizer_info", "/v1/completions"):
+        for operation in document["paths"][path].values():
+            assert operation["responses"]["200"]["content"]["application/json"]["schema"], path
+
+
+def test_messages_carry_refusal_and_developer_is_system(server) -> None:
+    """OpenAI's message.refusal and logprobs.refusal (required, null here); a developer message renders as
+    the system message, as vLLM does."""
+    status, _, body = server.request(
+        "POST", "/v1/chat/completions", {"messages": GREETING, "logprobs": True, "max_tokens": 2}
+    )
+    choice = json.loads(body)["choices"][0]
+    assert status == 200 and choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
+    rendered = [
+        json.loads(
+            server.request(
+                "POST", "/tokenize", {"messages": [{"role": role, "content": "Be brief."}, *GREETING]}
+            )[2]
+        )
+        for role in ("system", "developer")
+    ]
+    assert rendered[0]["tokens"] == rendered[1]["tokens"]
+    streamed = {"messages": GREETING, "stream": True, "logprobs": True, "max_tokens": 3}
+    status, _, body = server.request("POST", "/v1/chat/completions", streamed)
+    events = [line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    for event in events[:-1]:  # every streamed chunk is what /openapi.json documents
+        ChatCompletionChunk.model_validate_json(event)
+
+
+def test_tokenizer_info_serves_what_lm_evaluation_harness_reads(server, model) -> None:
+    """GET /tokenizer_info as vLLM serves it: tokenizer_config.json's settings with the chat template, which
+    lm-evaluation-harness renders itself (jinja2, as its RemoteTokenizer does) instead of loading the
+    tokenizer."""
+    import jinja2
+
+    status, _, body = server.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    config = json.loads((Path(model.tokenizer_dir) / "tokenizer_config.json").read_text())
+    assert status == 200 and info["eos_token"] == "<|im_end|>" and info["tokenizer_class"]
+    assert info["chat_template"] == served_tokenizer(model).chat_template
+    assert info["added_tokens_decoder"] == config["added_tokens_decoder"]
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    text = environment.from_string(info["chat_template"]).render(
+        messages=GREETING, add_generation_prompt=True
+    )
+    by_server = json.loads(server.request("POST", "/tokenize", {"messages": GREETING})[2])["tokens"]
+    from_text = json.loads(
+        server.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})[2]
+    )
+    assert from_text["tokens"] == by_server
+
+
+# ---------------------------------------------------------------------- the Responses API
+WEATHER_FUNCTION = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+def respond(client: openai.OpenAI, input: Any, **kwargs: Any):
+    return client.responses.create(model=MODEL, input=input, temperature=0, **kwargs)
+
+
+def test_responses_text_and_reasoning(client) -> None:
+    response = respond(client, "Say hello.")
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets me.\n"
+    assert message.type == "message" and response.output_text == "Hello! How can I help you today?"
+    assert response.status == "completed" and response.usage.output_tokens_details.reasoning_tokens > 0
+    usage = response.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    quiet = respond(client, [{"role": "user", "content": "Say hello."}], reasoning={"effort": "none"})
+    assert [item.type for item in quiet.output] == ["message"]
+    assert quiet.output_text == CONVERSATIONS["no_thinking"].answer
+    assert quiet.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_responses_instructions_are_the_system_message(server, client) -> None:
+    response = respond(client, "Say hello.", instructions="Be brief.", max_output_tokens=2)
+    messages = [{"role": "system", "content": "Be brief."}, *GREETING]
+    rendered = json.loads(server.request("POST", "/tokenize", {"messages": messages})[2])
+    assert response.usage.input_tokens == rendered["count"]
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 2
+
+
+def test_responses_stream_events_build_the_response(client) -> None:
+    """Streamed, OpenAI's typed events in order (the client's stream helper rebuilds the response from them
+    and checks their indices), ending with the same response as unstreamed."""
+    whole = respond(client, "Say hello.")
+    with client.responses.stream(model=MODEL, input="Say hello.", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for kind in ("reasoning_text.delta", "output_text.delta", "content_part.added", "output_item.done"):
+        assert f"response.{kind}" in kinds
+    assert final.output_text == whole.output_text and final.output[0].content == whole.output[0].content
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text
+    raw = list(respond(client, "Say hello.", stream=True, max_output_tokens=3))
+    assert raw[-1].type == "response.incomplete" and raw[-1].response.status == "incomplete"
+
+
+def test_responses_function_call_round_trip(client) -> None:
+    response = respond(client, "What is the weather in Paris?", tools=[WEATHER_FUNCTION])
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == WEATHER_ARGUMENTS
+    assert response.output_text == "" and response.output[0].type == "reasoning"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    follow_up = respond(
+        client, [*WEATHER_QUESTION, call.model_dump(exclude_none=True), result], tools=[WEATHER_FUNCTION]
+    )
+    assert follow_up.output_text == "It is 21 degrees in Paris."
+    # streamed, the call's arguments arrive as deltas that add up to them
+    with client.responses.stream(
+        model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_FUNCTION], temperature=0
+    ) as stream:
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(deltas) == json.loads(done.arguments) == WEATHER_ARGUMENTS
+
+
+def test_responses_previous_response_id_continues_in_memory(server, client) -> None:
+    """A follow-up continues the stored conversation: its prompt is the history then its input, and reuses
+    the history's cached prefix."""
+    first = respond(client, "amber lantern " * 50, max_output_tokens=4)
+    follow_up = respond(client, "And then?", previous_response_id=first.id, max_output_tokens=2)
+    history = [
+        {"role": "user", "content": "amber lantern " * 50},
+        {
+            "role": "assistant",
+            "content": first.output_text,
+            "reasoning_content": first.output[0].content[0].text,
+        },
+        {"role": "user", "content": "And then?"},
+    ]
+    rendered = json.loads(server.request("POST", "/tokenize", {"messages": history})[2])
+    assert follow_up.usage.input_tokens == rendered["count"]
+    assert follow_up.usage.input_tokens_details.cached_tokens >= 64
+    assert client.responses.retrieve(follow_up.id).output == follow_up.output
+    # Only the last max_stored_responses (4 here) are kept; an older id is refused, saying what to do.
+    for _ in range(4):
+        respond(client, "Say hello.", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        respond(client, "And then?", previous_response_id=first.id)
+    assert refused.value.code == "previous_response_not_found" and "input" in refused.value.message
+    unstored = respond(client, "Say hello.", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0"),
+        ({"input": "\ud800"}, "input"),
+    ],
+)
+def test_responses_refuse_what_they_do_not_serve_by_name(server, body: dict, param: str) -> None:
+    status, _, payload = server.request("POST", "/v1/responses", body)
+    assert status == 400 and json.loads(payload)["error"]["param"].startswith(param), payload
+
+
+# ---------------------------------------------------------------------- LangChain
+def test_langchain_structured_output(server) -> None:
+    """LangChain's ChatOpenAI.with_structured_output: by function calling (a forced call, its arguments held
+    to the schema) and by json_schema (response_format)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, temperature=0, max_retries=0)
+    weather = llm.with_structured_output(WEATHER_TOOL["function"], method="function_calling")
+    assert weather.invoke(WEATHER_QUESTION[0]["content"]) == WEATHER_ARGUMENTS
+
+    class Mood(pydantic.BaseModel):
+        mood: Literal["happy", "sad"]
+        sure: bool
+
+    quiet = ChatOpenAI(
+        model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, temperature=0, max_retries=0,
+        extra_body=NO_THINKING, max_tokens=64,
+    )  # fmt: skip
+    assert isinstance(
+        quiet.with_structured_output(Mood, method="function_calling").invoke("Say hello."), Mood
+    )
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    person = quiet.with_structured_output(Person, method="json_schema").invoke(PERSON[0]["content"])
+    assert person == Person(name="Ada", age=36)
 
 
 # ---------------------------------------------------------------------- tensor parallelism

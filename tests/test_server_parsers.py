@@ -4,7 +4,9 @@ stream could cut it (each character boundary, and each token of the real tokeniz
 from __future__ import annotations
 
 import json
+from typing import Literal
 
+import pydantic
 import pytest
 import torch
 from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL
@@ -192,24 +194,117 @@ def test_a_long_streamed_value_is_scanned_once(monkeypatch: pytest.MonkeyPatch) 
     ("value", "accepted"),
     [("Paris", True), ("a < b and <i>x</i>, </param>", True), ("ab\n</parameter>\nzz", False)],
 )
-def test_forced_tool_call_values_may_hold_any_text(tokenizer, value: str, accepted: bool) -> None:
-    """tool_choice 'required' / named: a parameter value is any text up to the first </parameter>."""
-    import llguidance
-    import llguidance.hf
-
-    from optimum_qwen36.server.chat import forced_tool_grammar
-
-    ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
-    matcher = llguidance.LLMatcher(
-        ll, llguidance.grammar_from("lark", forced_tool_grammar([WEATHER_TOOL], None))
-    )
+def test_forced_tool_call_values_may_hold_any_text(
+    tokenizer, ll_tokenizer, value: str, accepted: bool
+) -> None:
+    """tool_choice 'required' / named: a string parameter's value is any text up to the first </parameter>
+    (the <tool_call> tags are their added tokens, as the model writes them)."""
     name = WEATHER_TOOL["function"]["name"]
     text = (
         f"<tool_call>\n<function={name}>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>"
     )
-    # One character at a time: never the tag tokens, which llguidance's token view marks as special.
-    ids = [token for character in text for token in ll.tokenize_str(character)]
-    assert (all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()) == accepted
+    assert _forced_call_accepts(tokenizer, ll_tokenizer, [WEATHER_TOOL], None, text) == accepted
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer):
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+
+
+def _forced_call_accepts(
+    tokenizer, ll, tools: list[dict], name: str | None, text: str, parallel: bool = True
+) -> bool:
+    """Whether the forced-call grammar of `tools` accepts `text`, as the tokenizer encodes it."""
+    import llguidance
+
+    from optimum_qwen36.server.tool_grammar import forced_tool_grammar
+
+    grammar = forced_tool_grammar(tools, name, parallel, tokenizer.added_tokens_encoder)
+    matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("lark", grammar))
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return (
+        matcher.validate_tokens(ids) == len(ids)
+        and bool(matcher.consume_tokens(ids))
+        and matcher.is_accepting()
+    )
+
+
+def _call(function: str, /, **arguments: str) -> str:
+    """A call in the template's format, each argument written as the template writes it."""
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={function}>\n{parameters}</function>\n</tool_call>"
+
+
+class _Address(pydantic.BaseModel):
+    street: str
+    zip: int
+
+
+class _Person(pydantic.BaseModel):
+    name: str
+    kind: Literal["a", "b"]
+    address: _Address  # pydantic writes it as a $ref into $defs
+    tags: list[str] | None = None
+
+
+_PERSON_TOOL = {"type": "function", "function": {"name": "person", "parameters": _Person.model_json_schema()}}
+_ADDRESS = json.dumps({"street": "x", "zip": 1})
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        (_call("person", name="Ada", kind="a", address=_ADDRESS), True),
+        (_call("person", name="Ada", kind="b", address=_ADDRESS, tags='["x"]'), True),
+        (_call("person", name="Ada", kind="a", address=_ADDRESS, tags="null"), True),
+        (_call("person", name="Ada", kind="a"), False),  # a required parameter missing
+        (_call("person", name="Ada", kind="c", address=_ADDRESS), False),  # outside the enum
+        (_call("person", name="Ada", kind="a", address=_ADDRESS.replace("1", '"1"')), False),  # zip a string
+        (_call("person", name="Ada", kind="a", address=_ADDRESS, age="3"), False),  # undeclared
+        (_call("person", kind="a", name="Ada", address=_ADDRESS), False),  # not in the declared order
+        (_call("other", name="Ada", kind="a", address=_ADDRESS), False),
+    ],
+)
+def test_forced_tool_calls_follow_the_parameters_schema(
+    tokenizer, ll_tokenizer, text: str, accepted: bool
+) -> None:
+    """Names, types, enums, required parameters and nested $ref schemas, in the template's format."""
+    assert _forced_call_accepts(tokenizer, ll_tokenizer, [_PERSON_TOOL], None, text) == accepted
+    if accepted:  # and the parser reads back arguments valid under the schema
+        (call,) = ToolCallParser([_PERSON_TOOL]).parse(text).deltas[:1]
+        deltas = ToolCallParser([_PERSON_TOOL]).parse(text).deltas
+        _Person.model_validate_json("".join(d.arguments for d in deltas))
+        assert call.name == "person"
+
+
+@pytest.mark.parametrize(
+    ("schema", "value", "accepted"),
+    [
+        ({"type": "string", "pattern": "^[A-Z]{3}$"}, "ABC", True),
+        ({"type": "string", "pattern": "^[A-Z]{3}$"}, "ABCD", False),
+        ({"type": "string", "maxLength": 3}, "abcd", False),
+        ({"type": ["integer", "null"]}, "null", True),
+        ({"type": ["integer", "null"]}, "1.5", False),
+        ({"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["auto"]}]}, "auto", True),
+        ({"type": "boolean"}, "true", True),
+        ({"const": 3}, "3", True),
+    ],
+)
+def test_forced_tool_call_values_follow_their_schema(
+    tokenizer, ll_tokenizer, schema: dict, value: str, accepted: bool
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"v": schema}}}}
+    assert _forced_call_accepts(tokenizer, ll_tokenizer, [tool], "f", _call("f", v=value)) == accepted
+
+
+def test_forced_calls_repeat_only_for_required_with_parallel_calls(tokenizer, ll_tokenizer) -> None:
+    two = _call("get_weather", city="Paris") + "\n" + _call("get_weather", city="Rome")
+    assert _forced_call_accepts(tokenizer, ll_tokenizer, [WEATHER_TOOL], None, two)
+    assert not _forced_call_accepts(tokenizer, ll_tokenizer, [WEATHER_TOOL], None, two, parallel=False)
+    assert not _forced_call_accepts(tokenizer, ll_tokenizer, [WEATHER_TOOL], "get_weather", two)
 
 
 def test_a_grammar_constraint_is_rebuilt_in_another_process(tmp_path) -> None:
@@ -224,7 +319,7 @@ def test_a_grammar_constraint_is_rebuilt_in_another_process(tmp_path) -> None:
     tokenizer = load_qwen36_tokenizer(tmp_path)
     structured = StructuredOutput(tokenizer, len(tokenizer), tokenizer.eos_token_id)
     schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
-    original = structured.json_constraint(schema, gate_token_id=None)
+    original = structured.json_constraint(schema, gate=None)
     copy = pickle.loads(pickle.dumps(original))
     assert copy is not original and copy.grammar == original.grammar
     for token in tokenizer.encode('{"age":42}', add_special_tokens=False):
@@ -238,4 +333,4 @@ def test_a_grammar_constraint_is_rebuilt_in_another_process(tmp_path) -> None:
     built_in_memory.name_or_path = "not-a-directory"
     in_memory = StructuredOutput(built_in_memory, len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(TypeError, match="not loaded from a directory"):
-        pickle.dumps(in_memory.json_constraint(schema, gate_token_id=None))
+        pickle.dumps(in_memory.json_constraint(schema, gate=None))

@@ -289,6 +289,8 @@ class Engine:
             "slots_used": len(running),
             "slots": self.max_num_seqs,
             "free_blocks": self.prefix_cache.pool.num_free,
+            # Blocks holding cached prefixes that no request uses: evicted on demand, so as good as free.
+            "evictable_blocks": self.prefix_cache.available_blocks() - self.prefix_cache.pool.num_free,
             "blocks": self.prefix_cache.pool.num_blocks - 1,
             **self.scheduler.stats,
             "prefix_cache": self.prefix_cache.stats(),

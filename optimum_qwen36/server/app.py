@@ -13,23 +13,43 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 
+from .. import __version__
 from . import model_endpoints
 from .chat_completions import create_chat_completion
 from .completions import create_completion
 from .errors import OpenAIError, install_error_handlers
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses_api import ResponsesAPI
+from .responses_api_protocol import ResponsesRequest
+from .schemas import (
+    ChatCompletion,
+    Completion,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ResponseObject,
+    TokenizeResponse,
+    TokenizerInfo,
+    describe_errors_as_served,
+    error_responses,
+    streamed,
+)
 from .served import ServedModel, ServerSettings
 from .web_ui import install_web_ui
 
 logger = logging.getLogger(__name__)
+_BEARER = HTTPBearer(auto_error=False, description="The server's API key (when it has one: --api-key).")
 
 
 def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> FastAPI:
@@ -37,8 +57,11 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
 
     def load_in_background() -> None:
         try:
+            started = time.monotonic()
             server.start_serving(load())
-            logger.info("Serving %s", settings.served_model_name)
+            where = f" at {settings.url}/v1" if settings.url else ""
+            seconds = time.monotonic() - started
+            logger.info("Ready: serving %s%s (loaded in %.1f s)", settings.served_model_name, where, seconds)
         except BaseException as error:
             server.load_error = error
             logger.exception("Loading the model failed")
@@ -51,47 +74,73 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
         if server.model is not None:
             await asyncio.to_thread(server.model.engine.shutdown)
 
-    app = FastAPI(title="optimum-qwen36", lifespan=lifespan)
+    app = FastAPI(title="optimum-qwen36", version=__version__, lifespan=lifespan)
     app.state.server = server
     install_error_handlers(app)
+    describe_errors_as_served(app)
+    responses_api = ResponsesAPI(server)
 
-    def authorize(request: Request) -> None:
+    def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
+        token = credentials.credentials if credentials is not None else ""
         if not secrets.compare_digest(token.encode(), settings.api_key.encode()):
             raise OpenAIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
 
     guarded = [Depends(authorize)]
+    errors = error_responses(400, 401, 404, 503)
+    # The 200 bodies are built as dicts and documented by models: sent as built (no null-valued field added).
+    api: dict[str, Any] = {"dependencies": guarded, "responses": errors, "response_model_exclude_unset": True}
 
-    @app.get("/health")
+    def generating(body: type[BaseModel], events: str) -> dict[str, Any]:
+        """A generation route's documentation: `body` as JSON, or server-sent `events` when streamed."""
+        return {"dependencies": guarded, "responses": {**streamed(body, events), **errors}}
+
+    health_200 = {200: {"description": "The engine runs (an empty body)."}, **error_responses(503)}
+
+    @app.get("/health", response_class=Response, responses=health_200)
     async def health() -> Response:
         return model_endpoints.health(server)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503))
     async def metrics() -> Response:
         return await model_endpoints.metrics(server)
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", response_model=ModelList, **api)
     async def models() -> dict[str, Any]:
         return model_endpoints.models(server)
 
-    @app.post("/tokenize", dependencies=guarded)
+    @app.get("/v1/models/{model_id}", response_model=ModelCard, **api)
+    async def model(model_id: str) -> dict[str, Any]:
+        return model_endpoints.model(server, model_id)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, **api)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return model_endpoints.tokenize(server, body)
 
-    @app.post("/detokenize", dependencies=guarded)
+    @app.post("/detokenize", response_model=DetokenizeResponse, **api)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return model_endpoints.detokenize(server, body)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, **api)
+    async def tokenizer_info() -> dict[str, Any]:
+        return model_endpoints.tokenizer_info(server)
+
+    @app.post("/v1/completions", **generating(Completion, "Completion bodies, then [DONE]"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(server, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", **generating(ChatCompletion, "ChatCompletionChunk bodies, then [DONE]"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
+
+    @app.post("/v1/responses", **generating(ResponseObject, "the Responses API's typed events"))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await responses_api.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, **api)
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        return responses_api.retrieve(response_id)
 
     if settings.web_ui:
         install_web_ui(app, default_enable_thinking=settings.default_enable_thinking)

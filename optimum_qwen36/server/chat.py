@@ -4,55 +4,33 @@ off), and the generated text split into reasoning, content and tool calls, whole
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from .errors import bad_request
 from .reasoning import ReasoningParser, Split
 from .tool_calls import ToolCallDelta, ToolCallParser
 
 
-def _check_content(index: int, content: Any) -> None:
-    """Content is a string, None or a list of text parts: this server runs the text model, so an image or
-    audio part is refused by name instead of being dropped or rendered as placeholder tokens."""
-    if content is None or isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise bad_request(
-            f"messages[{index}].content must be a string or a list of content parts.",
-            f"messages.{index}.content",
-        )
-    for number, part in enumerate(content):
-        kind = part.get("type", "text") if isinstance(part, dict) else None
-        where = f"messages[{index}].content[{number}]"
-        if kind == "text" and not isinstance(part.get("text"), str):
-            raise bad_request(f"{where} is a text part without a string 'text'.", f"messages.{index}.content")
-        if kind != "text":
-            raise bad_request(
-                f"{where} is "
-                + (f"a '{kind}' part" if isinstance(kind, str) else "not a content part")
-                + ": this server runs the text model and takes only {'type': 'text', 'text': ...} parts.",
-                f"messages.{index}.content.{number}",
-            )
+def template_messages(messages: Sequence[BaseModel]) -> list[dict[str, Any]]:
+    """Validated chat messages as the chat template reads them (the fields a client left out stay out)."""
+    return [message.model_dump(exclude_none=True) for message in messages]
 
 
 def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI message as the template reads it: tool-call arguments as mappings (clients send JSON)."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise bad_request(f"messages[{index}] must be an object with a 'role'.", f"messages.{index}")
-    _check_content(index, message.get("content"))
+    """An OpenAI message as the template reads it: a developer message as the system message, tool-call
+    arguments as mappings (clients send JSON text)."""
     message = dict(message)
+    if message["role"] == "developer":
+        message["role"] = "system"
     if message["role"] == "assistant" and message.get("reasoning") and not message.get("reasoning_content"):
         message["reasoning_content"] = message["reasoning"]
     calls = []
     for number, call in enumerate(message.get("tool_calls") or []):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            raise bad_request(
-                f"messages[{index}].tool_calls[{number}] must be an object with a 'function' object.",
-                f"messages.{index}.tool_calls.{number}",
-            )
-        function = dict(function)
+        function = dict(call["function"])
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -62,25 +40,15 @@ def _template_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
                     f"messages[{index}].tool_calls[{number}].function.arguments is not valid JSON: {error}",
                     f"messages.{index}.tool_calls.{number}",
                 ) from error
-        if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):
+        if not isinstance(arguments, dict):
             raise bad_request(
-                f"messages[{index}].tool_calls[{number}] needs function.name and JSON-object arguments.",
+                f"messages[{index}].tool_calls[{number}].function.arguments must be a JSON object.",
                 f"messages.{index}.tool_calls.{number}",
             )
         calls.append({**call, "function": {**function, "arguments": arguments}})
     if calls:
         message["tool_calls"] = calls
     return message
-
-
-def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    for index, tool in enumerate(tools or []):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise bad_request(f"tools[{index}] must be {{'type': 'function', 'function': {{...}}}}.", "tools")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad_request(f"tools[{index}].function.name is missing.", "tools")
-    return list(tools or [])
 
 
 def render_chat(
@@ -177,20 +145,3 @@ class ChatOutputParser:
     @property
     def called_tools(self) -> bool:
         return self.tools is not None and self.tools.called
-
-
-def forced_tool_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
-    """A lark grammar (llguidance) for content that is one or more calls in the template's format: of the
-    named function, or of any of `tools` (tool_choice 'required')."""
-    names = [name] if name is not None else [t["function"]["name"] for t in tools]
-    alternatives = " | ".join(json.dumps(n) for n in names)
-    return "\n".join(
-        [
-            r"start: /\n*/ call+",
-            r'call: "<tool_call>\n<function=" NAME ">\n" param* "</function>\n</tool_call>" /\n*/',
-            r'param: "<parameter=" /[^>\n]+/ ">\n" value',
-            # A value is any text (`<` included) up to the first </parameter> (llguidance's lazy suffix).
-            r'value[suffix="</parameter>\n"]: /(?s:.*)/',
-            f"NAME: {alternatives}",
-        ]
-    )

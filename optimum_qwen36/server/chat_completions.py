@@ -7,81 +7,102 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from ..engine import EngineRequest, RequestOutput
-from .chat import ChatDelta, ChatOutputParser, check_tools, encode_chat, forced_tool_grammar
+from .chat import ChatDelta, ChatOutputParser, encode_chat, template_messages
 from .errors import bad_request
 from .openai_server import OpenAIServer
-from .protocol import ChatCompletionRequest
-from .reasoning import THINK_END, prompt_opens_reasoning
+from .protocol import ChatCompletionRequest, NamedToolChoice
+from .reasoning import prompt_opens_reasoning
 from .responses import Choice, ChoicesResponse, token_usage
+from .tool_grammar import forced_tool_grammar
 
 # The tool choices whose calls a grammar forces.
 _FORCED = ("required", "named")
 
 
+@dataclass
+class PreparedChat:
+    """A chat request ready to run: one engine request per choice, and a parser for each one's text."""
+
+    choices: list[Choice]
+    parsers: list[ChatOutputParser]
+    requests: list[EngineRequest]
+
+
 async def create_chat_completion(
     server: OpenAIServer, body: ChatCompletionRequest, request: Request
 ) -> Response:
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    prepared = await prepare_chat(server, body, response_id)
+    runs = server.run_choices(prepared.requests)
+    response = _ChatCompletionResponse(server, response_id, body, prepared.choices, prepared.parsers)
+    return await response.respond(request, runs)
+
+
+async def prepare_chat(server: OpenAIServer, body: ChatCompletionRequest, response_id: str) -> PreparedChat:
+    """The messages rendered and tokenized, and each choice's sampling parameters and grammar (a forced tool
+    call's, or response_format's)."""
     model = server.ready()
     server.check_model(body.model)
     server.check_stream_options(body)
-    tools = check_tools(body.tools)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     choice_kind, forced_name = _tool_choice(body, tools)
     # tool_choice 'none': the model is not shown the tools, and nothing is parsed as a call.
     shown_tools = [] if choice_kind == "none" else tools
     template_kwargs = {"enable_thinking": server.settings.default_enable_thinking}
     template_kwargs.update(body.chat_template_kwargs or {})
-    chat_prompt = encode_chat(model.tokenizer, body.messages, shown_tools, template_kwargs)
-    prompt, prompt_ids = chat_prompt.text, server.check_ids(chat_prompt.token_ids, "messages")
-    in_reasoning = prompt_opens_reasoning(prompt)
-    gate = model.tokenizer.convert_tokens_to_ids(THINK_END) if in_reasoning else None
+    messages = template_messages(body.messages)
+    chat_prompt = encode_chat(model.tokenizer, messages, shown_tools, template_kwargs)
+    prompt_ids = server.check_ids(chat_prompt.token_ids, "messages")
+    in_reasoning = prompt_opens_reasoning(chat_prompt.text)
+    gate = server.reasoning_gate(body) if in_reasoning else None
     server.admit(body.n)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices, parsers, requests = [], [], []
+    if choice_kind in _FORCED:
+        server.check_grammar_fields(body)
+        parallel = body.parallel_tool_calls is not False
+        grammar = forced_tool_grammar(tools, forced_name, parallel, model.tokenizer.added_tokens_encoder)
+    prepared = PreparedChat([], [], [])
     for j in range(body.n):
-        params = server.sampling_params(body, len(prompt_ids), max_tokens, top, j)
+        params = server.sampling_params(body, len(prompt_ids), max_tokens, top, j, "messages")
         if choice_kind in _FORCED:
-            server.check_grammar_fields(body)
-            grammar = forced_tool_grammar(tools, forced_name)
-            constraint = await asyncio.to_thread(server.structured.lark_constraint, grammar, gate)
+            constraint = await asyncio.to_thread(server.structured.lark_constraint, grammar, gate, "tools")
         else:
             constraint = await asyncio.to_thread(server.response_constraint, body, gate)
-        choices.append(Choice(j, prompt_ids))
-        parsers.append(ChatOutputParser(in_reasoning, shown_tools))
+        prepared.choices.append(Choice(j, prompt_ids))
+        prepared.parsers.append(ChatOutputParser(in_reasoning, shown_tools))
         request_id = f"{response_id}-{j}"
-        requests.append(EngineRequest(prompt_ids, params, request_id, constraint, chat_prompt.history))
-    runs = server.run_choices(requests)
-    response = _ChatCompletionResponse(server, response_id, body, choices, parsers)
-    return await response.respond(request, runs)
+        engine_request = EngineRequest(prompt_ids, params, request_id, constraint, chat_prompt.history)
+        prepared.requests.append(engine_request)
+    return prepared
 
 
 def _tool_choice(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
     """The request's tool_choice as one of 'none', 'auto', 'required' and 'named', with the named function's
     name."""
-    choice_kind = body.tool_choice or ("auto" if tools else "none")
+    choice = body.tool_choice or ("auto" if tools else "none")
     forced_name = None
-    if isinstance(choice_kind, dict):
-        function = choice_kind.get("function")
-        forced_name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(choice, NamedToolChoice):
+        forced_name = choice.function.name
         if forced_name not in {t["function"]["name"] for t in tools}:
             raise bad_request(
                 f"tool_choice names {forced_name!r}, which is not one of the tools.", "tool_choice"
             )
-        choice_kind = "named"
-    if choice_kind in _FORCED and not tools:
-        raise bad_request(f"tool_choice {body.tool_choice!r} needs tools.", "tool_choice")
-    if choice_kind in _FORCED and body.response_format is not None:
+        choice = "named"
+    if choice in _FORCED and not tools:
+        raise bad_request(f"tool_choice {choice!r} needs tools.", "tool_choice")
+    if choice in _FORCED and body.response_format is not None:
         raise bad_request("tool_choice 'required' or a named function cannot combine with response_format.")
-    return choice_kind, forced_name
+    return choice, forced_name
 
 
 class _ChatCompletionResponse(ChoicesResponse):
@@ -123,7 +144,7 @@ class _ChatCompletionResponse(ChoicesResponse):
                 choice.logprobs[before:],
                 choice.top_logprobs[before:],
             )
-            logprobs = {"content": content}
+            logprobs = {"content": content, "refusal": None}
         if delta or logprobs:
             payload = {"index": choice.index, "delta": _delta_payload(delta), "logprobs": logprobs}
             yield {**payload, "finish_reason": None}
@@ -143,6 +164,7 @@ class _ChatCompletionResponse(ChoicesResponse):
             reasoning, content = delta.reasoning + rest.reasoning, delta.content + rest.content
             calls = parser.tools.calls if parser.tools is not None else []
             message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+            message["refusal"] = None
             message["reasoning"] = message["reasoning_content"] = reasoning or None
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -153,7 +175,7 @@ class _ChatCompletionResponse(ChoicesResponse):
                 content_logprobs = _logprobs(
                     self.tokenizer, choice.token_ids, choice.logprobs, choice.top_logprobs
                 )
-                logprobs = {"content": content_logprobs}
+                logprobs = {"content": content_logprobs, "refusal": None}
             finish_reason = self._finish_reason(choice)
             payloads.append(
                 {

@@ -39,6 +39,7 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
                 body.max_tokens,
                 body.logprobs,
                 j,
+                "prompt",
                 prompt_logprobs=body.logprobs if body.echo else None,
             )
             constraint = await asyncio.to_thread(server.response_constraint, body, None)

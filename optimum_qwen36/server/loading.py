@@ -28,6 +28,7 @@ def served_model(
     configured = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
     return ServedModel(
         engine=AsyncEngine(engine),
+        end_token_ids=tuple(engine.eos_token_ids),
         tokenizer=tokenizer,
         max_model_len=model.neuron_config.sequence_length,
         vocab_size=model.config.vocab_size,

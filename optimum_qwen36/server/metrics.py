@@ -33,7 +33,14 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests queued for a slot.")
         self.slots_used = gauge("gdn_slots_used", "GDN state slots in use.")
         self.slots = gauge("gdn_slots", "GDN state slots (the compiled batch size).")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV blocks requests hold (1 = full); cached prefixes no request uses count as free.",
+        )
+        self.kv_cached = gauge(
+            "kv_cache_cached_perc",
+            "Fraction of KV blocks holding cached prefixes no request uses (evicted when blocks run out).",
+        )
         self.kv_blocks = gauge("kv_blocks", "KV blocks in the pool.")
         self.preemptions = gauge("num_preemptions", "Requests preempted since start (KV blocks ran out).")
         self.prefix_hit_tokens = gauge(
@@ -87,8 +94,9 @@ class ServerMetrics:
         self.slots_used.labels(model).set(stats["slots_used"])
         self.slots.labels(model).set(stats["slots"])
         self.kv_blocks.labels(model).set(stats["blocks"])
-        used = stats["blocks"] - stats["free_blocks"]
-        self.kv_usage.labels(model).set(used / stats["blocks"] if stats["blocks"] else 0.0)
+        usage, cached = kv_cache_shares(stats)
+        self.kv_usage.labels(model).set(usage)
+        self.kv_cached.labels(model).set(cached)
         self.preemptions.labels(model).set(stats["preemptions"])
         self.prefix_hit_tokens.labels(model).set(stats["prefix_cache"]["hit_tokens"])
         self.prefix_queried_tokens.labels(model).set(stats["prefix_cache"]["prompt_tokens"])
@@ -100,3 +108,14 @@ class ServerMetrics:
                 self.spec_draft_tokens.labels(model, str(position)).set(drafted)
                 self.spec_accepted_tokens.labels(model, str(position)).set(accepted)
         return generate_latest(self.registry)
+
+
+def kv_cache_shares(stats: dict[str, Any]) -> tuple[float, float]:
+    """(used, cached) shares of the KV block pool, from `Engine.stats()`: blocks requests hold, and blocks
+    holding cached prefixes no request uses, which are evicted on demand and so count as free in the first
+    (as vLLM counts them: a router reading the usage sees an idle replica as empty)."""
+    blocks = stats["blocks"]
+    if not blocks:
+        return 0.0, 0.0
+    cached = stats["evictable_blocks"]
+    return (blocks - stats["free_blocks"] - cached) / blocks, cached / blocks

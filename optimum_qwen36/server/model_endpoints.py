@@ -1,5 +1,5 @@
-"""The endpoints that answer from the served model without generating: /health, /metrics, /v1/models,
-/tokenize and /detokenize."""
+"""The endpoints that answer from the served model without generating: /health, /metrics, /v1/models (and
+/v1/models/{id}), /tokenize, /detokenize and /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import time
 from typing import Any
 
 from fastapi.responses import Response
+from tokenizers import AddedToken
 
-from .chat import render_chat
-from .errors import OpenAIError, bad_request
+from .chat import render_chat, template_messages
+from .errors import OpenAIError
 from .openai_server import OpenAIServer
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 
 def health(server: OpenAIServer) -> Response:
@@ -40,17 +41,21 @@ def models(server: OpenAIServer) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
-def tokenize(server: OpenAIServer, body: TokenizeRequest) -> dict[str, Any]:
+def model(server: OpenAIServer, model_id: str) -> dict[str, Any]:
+    server.check_model(model_id)
+    return models(server)["data"][0]
+
+
+def tokenize(server: OpenAIServer, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     model = server.ready()
     server.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("Give exactly one of prompt or messages.", "prompt")
-    if body.messages is not None:
+    if isinstance(body, TokenizeChatRequest):
         kwargs = {
             "enable_thinking": server.settings.default_enable_thinking,
             **(body.chat_template_kwargs or {}),
         }
-        text = render_chat(model.tokenizer, body.messages, [], kwargs, body.add_generation_prompt)
+        messages = template_messages(body.messages)
+        text = render_chat(model.tokenizer, messages, [], kwargs, body.add_generation_prompt)
         ids = model.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -61,3 +66,42 @@ def detokenize(server: OpenAIServer, body: DetokenizeRequest) -> dict[str, Any]:
     model = server.ready()
     server.check_model(body.model)
     return {"prompt": model.tokenizer.decode(server.check_ids(body.tokens, "tokens"))}
+
+
+def tokenizer_info(server: OpenAIServer) -> dict[str, Any]:
+    """The tokenizer's configuration as its tokenizer_config.json holds it, with its chat template, as vLLM's
+    /tokenizer_info serves it (lm-evaluation-harness then needs no local copy of the tokenizer)."""
+    tokenizer = server.ready().tokenizer
+    info = {k: v for k, v in (tokenizer.init_kwargs or {}).items() if k not in _LOCAL_TOKENIZER_KWARGS}
+    info = _as_json(info)
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(tokenizer, name, None)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+# init_kwargs that describe this machine's copy, not the tokenizer.
+_LOCAL_TOKENIZER_KWARGS = {
+    "name_or_path",
+    "vocab_file",
+    "merges_file",
+    "tokenizer_file",
+    "is_local",
+    "local_files_only",
+    "backend",
+}
+
+
+def _as_json(value: Any) -> Any:
+    """Tokenizer settings as JSON (an added token as its text's settings)."""
+    if isinstance(value, dict):
+        return {str(k): _as_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_json(v) for v in value]
+    if isinstance(value, AddedToken):
+        return _as_json(value.__getstate__())
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

@@ -11,9 +11,10 @@ from ..engine import EngineRequest, SamplingParams, TokenConstraint
 from .errors import OpenAIError, bad_request
 from .metrics import ServerMetrics
 from .protocol import SamplingFields
+from .reasoning import THINK_END, TOOL_CALL_START
 from .runs import ChoiceRuns, EngineRun
 from .served import ServedModel, ServerSettings
-from .structured import StructuredOutput
+from .structured import Gate, StructuredOutput
 
 
 class OpenAIServer:
@@ -85,8 +86,11 @@ class OpenAIServer:
         max_tokens: int | None,
         logprobs: int | None,
         choice: int,
+        prompt_param: str,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The engine parameters of one choice; a prompt (the request's `prompt_param`) and max_tokens that
+        do not fit the model's length are refused naming the field to shorten."""
         model = self.ready()
         room = model.max_model_len - prompt_tokens
         if (max_tokens is not None and max_tokens > room) or room < 1:
@@ -95,7 +99,11 @@ class OpenAIServer:
                 f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                 f"requested {requested} tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the "
                 "completion). Please reduce the prompt or max_tokens.",
-                "max_tokens",
+                prompt_param if room < 1 else "max_tokens",  # the field whose change alone fixes it
+            )
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).", "min_tokens"
             )
         defaults = model.generation_defaults
 
@@ -108,7 +116,7 @@ class OpenAIServer:
             return SamplingParams(
                 temperature=pick("temperature", 1.0),
                 top_p=pick("top_p", 1.0),
-                top_k=max(pick("top_k", 0), 0),
+                top_k=_top_k(pick("top_k", 0), model.vocab_size),
                 min_p=pick("min_p", 0.0),
                 repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=body.presence_penalty or 0.0,
@@ -126,6 +134,17 @@ class OpenAIServer:
         except ValueError as error:
             raise bad_request(str(error)) from error
 
+    def reasoning_gate(self, body: SamplingFields) -> Gate:
+        """Where a grammar starts when the prompt opens a think block: after `</think>`. Until then the
+        tokens that would end the text (EOS, the request's stop_token_ids) or open a tool call inside the
+        reasoning are held back, so a constrained answer comes, or the text ends by length."""
+        model = self.ready()
+        added = model.tokenizer.added_tokens_encoder
+        held = {*model.end_token_ids, *(body.stop_token_ids or ())}
+        if TOOL_CALL_START in added:
+            held.add(added[TOOL_CALL_START])
+        return Gate(added[THINK_END], tuple(sorted(held)))
+
     def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias: token ids (JSON object keys, so strings) to values added to their logits."""
         if not bias:
@@ -138,7 +157,7 @@ class OpenAIServer:
             ) from None
         return dict(zip(self.check_ids(ids, "logit_bias"), bias.values(), strict=True))
 
-    def response_constraint(self, body: SamplingFields, gate: int | None) -> TokenConstraint | None:
+    def response_constraint(self, body: SamplingFields, gate: Gate | None) -> TokenConstraint | None:
         rf = body.response_format
         if rf is None or rf.type == "text":
             return None
@@ -161,3 +180,8 @@ class OpenAIServer:
 
     def _release_one(self) -> None:
         self._in_flight -= 1
+
+
+def _top_k(top_k: int, vocab_size: int) -> int:
+    """top_k for the engine: 0 (no limit) for -1, 0 or anything that keeps the whole vocabulary."""
+    return 0 if top_k <= 0 or top_k >= vocab_size else top_k

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import RequestOutput
-from .errors import OpenAIError
+from .errors import OpenAIError, internal_error
 from .openai_server import OpenAIServer
 from .protocol import SamplingFields
 from .runs import ChoiceRuns
@@ -97,9 +97,9 @@ class ChoicesResponse(ABC):
     # ------------------------------------------------------------------ shared
     async def respond(self, request: Request, runs: ChoiceRuns) -> Response:
         if self.body.stream:
-            await _until_disconnected(request, runs.start(), runs)
-            return _EventStream(self._events(runs), runs)
-        await _until_disconnected(request, self._collect(runs), runs)
+            await until_disconnected(request, runs.start(), runs)
+            return EventStream(self._events(runs), runs)
+        await until_disconnected(request, self._collect(runs), runs)
         return JSONResponse(self._envelope(self.object, self.collected_choices(), self.usage()))
 
     async def _collect(self, runs: ChoiceRuns) -> None:
@@ -148,7 +148,7 @@ def token_usage(prompt_tokens: int, choices: list[Choice], cached_tokens: int) -
     }
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Closes the request's runs however the response ends: finished, failed, or the client gone (even
     before the body started)."""
 
@@ -163,7 +163,7 @@ class _EventStream(StreamingResponse):
             await self.runs.close()
 
 
-async def _until_disconnected(request: Request, work: Awaitable[T], runs: ChoiceRuns) -> T:
+async def until_disconnected(request: Request, work: Awaitable[T], runs: ChoiceRuns) -> T:
     """Await `work`; if the client goes away first, or `work` fails, close the runs (which aborts their
     engine requests)."""
     task = asyncio.ensure_future(work)
@@ -187,7 +187,4 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 def _stream_error(error: BaseException) -> str:
-    if isinstance(error, OpenAIError):
-        return _sse(error.body())
-    logger.exception("A streamed request failed", exc_info=error)
-    return _sse(OpenAIError(500, f"Internal error: {type(error).__name__}: {error}").body())
+    return _sse((error if isinstance(error, OpenAIError) else internal_error(error)).body())

@@ -22,6 +22,8 @@ class ServedModel:
     vocab_size: int
     max_num_seqs: int
     eos_token_id: int
+    # Every token that ends generation (the generation config's EOS ids and the tokenizer's).
+    end_token_ids: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -34,3 +36,7 @@ class ServerSettings:
     max_waiting_requests: int = 256
     # The chat page at / (web_ui.py); off, / is a 404 like any unknown path.
     web_ui: bool = True
+    # Responses API responses kept in memory for previous_response_id (the oldest go first).
+    max_stored_responses: int = 1000
+    # Where clients reach the server (the log says so once the model is loaded).
+    url: str | None = None

@@ -2,6 +2,8 @@
 request, applied by the engine as a `TokenConstraint` (a mask of the tokens the grammar allows next).
 
 With thinking on, the grammar starts after `</think>`: the reasoning is free text, the answer is the JSON.
+The reasoning cannot end the text (the tokens that would are held back until `</think>`), so a constrained
+answer always comes, or the text ends by length.
 
 A constraint sent to another process (a tensor-parallel worker runs the same engine call) travels as its
 grammar and where its tokenizer came from, and is rebuilt there with a fresh matcher: llguidance's matchers
@@ -44,23 +46,36 @@ class Grammar:
     tokenizer_size: int
 
 
+@dataclass(frozen=True)
+class Gate:
+    """Where a grammar starts: after `token_id` (`</think>`); until then any token but `held` (the tokens
+    that would end the text or start an answer inside the reasoning)."""
+
+    token_id: int
+    held: tuple[int, ...] = ()
+
+
 class GrammarConstraint:
-    """The tokens an llguidance grammar allows next; `gate_token_id`: enforce only after that token."""
+    """The tokens an llguidance grammar allows next; with a `gate`, enforced only after its token."""
 
     def __init__(
         self,
         matcher: Any,
         vocab_size: int,
         eos_token_id: int,
-        gate_token_id: int | None = None,
+        gate: Gate | None = None,
         grammar: Grammar | None = None,
     ) -> None:
         self.matcher = matcher
         self.grammar = grammar
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.gate_token_id = gate_token_id
-        self._open = gate_token_id is None
+        self.gate = gate
+        self._open = gate is None
+        self._before_gate: torch.Tensor | None = None
+        if gate is not None and gate.held:
+            self._before_gate = torch.ones(vocab_size, dtype=torch.bool)
+            self._before_gate[[t for t in gate.held if 0 <= t < vocab_size]] = False
         self._accepted = False  # a rebuilt constraint starts before any token
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
@@ -74,11 +89,11 @@ class GrammarConstraint:
             )
         if self._accepted:
             raise TypeError("a grammar constraint that has accepted tokens cannot be sent to another process")
-        return rebuild_constraint, (self.grammar, self.vocab_size, self.eos_token_id, self.gate_token_id)
+        return rebuild_constraint, (self.grammar, self.vocab_size, self.eos_token_id, self.gate)
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
         if not self._open:
-            return None
+            return None if self._before_gate is None else self._before_gate[:vocab_size]
         try:
             if not self.matcher.is_error():
                 llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
@@ -95,7 +110,7 @@ class GrammarConstraint:
     def accept(self, token_id: int) -> None:
         self._accepted = True
         if not self._open:
-            self._open = token_id == self.gate_token_id
+            self._open = token_id == self.gate.token_id
             return
         try:
             self.matcher.consume_token(token_id)
@@ -133,23 +148,25 @@ class StructuredOutput:
                 )
             return self._ll_tokenizer
 
-    def json_constraint(self, schema: dict[str, Any], gate_token_id: int | None) -> GrammarConstraint:
+    def json_constraint(self, schema: dict[str, Any], gate: Gate | None) -> GrammarConstraint:
         """Output that is JSON valid under `schema`."""
-        return self.constraint(self._grammar("json_schema", json.dumps(schema)), gate_token_id)
+        return self.constraint(self._grammar("json_schema", json.dumps(schema)), gate, "response_format")
 
-    def lark_constraint(self, grammar: str, gate_token_id: int | None) -> GrammarConstraint:
-        """Output in the language of a lark grammar (llguidance's dialect)."""
-        return self.constraint(self._grammar("lark", grammar), gate_token_id)
+    def lark_constraint(self, grammar: str, gate: Gate | None, param: str) -> GrammarConstraint:
+        """Output in the language of a lark grammar (llguidance's dialect), built from the request's
+        `param`."""
+        return self.constraint(self._grammar("lark", grammar), gate, param)
 
     def _grammar(self, kind: str, text: str) -> Grammar:
         return Grammar(kind, text, self._tokenizer_dir, len(self.tokenizer))
 
-    def constraint(self, grammar: Grammar, gate_token_id: int | None) -> GrammarConstraint:
-        """A fresh matcher for `grammar`; bad grammars are the client's error (HTTP 400)."""
+    def constraint(
+        self, grammar: Grammar, gate: Gate | None, param: str = "response_format"
+    ) -> GrammarConstraint:
+        """A fresh matcher for `grammar`; bad grammars are the client's error (HTTP 400 naming `param`)."""
         if not self.available:
             raise bad_request(
-                "Structured output needs llguidance, which is not installed: pip install llguidance.",
-                "response_format",
+                "Structured output needs llguidance, which is not installed: pip install llguidance.", param
             )
         try:
             if grammar.kind == "json_schema":
@@ -158,10 +175,10 @@ class StructuredOutput:
                 text = llguidance.grammar_from("lark", grammar.text)
             matcher = llguidance.LLMatcher(self._tokenizer(), text)
         except ValueError as error:
-            raise bad_request(f"Unusable grammar or JSON schema: {error}", "response_format") from error
+            raise bad_request(f"Unusable grammar or JSON schema: {error}", param) from error
         if matcher.is_error():
-            raise bad_request(f"Unusable grammar or JSON schema: {matcher.get_error()}", "response_format")
-        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_id, gate_token_id, grammar)
+            raise bad_request(f"Unusable grammar or JSON schema: {matcher.get_error()}", param)
+        return GrammarConstraint(matcher, self.vocab_size, self.eos_token_id, gate, grammar)
 
 
 # This process's StructuredOutput per (tokenizer directory, vocab size, EOS): rebuilt constraints share it.
@@ -170,7 +187,7 @@ _rebuilders_lock = threading.Lock()
 
 
 def rebuild_constraint(
-    grammar: Grammar, vocab_size: int, eos_token_id: int, gate_token_id: int | None
+    grammar: Grammar, vocab_size: int, eos_token_id: int, gate: Gate | None
 ) -> GrammarConstraint:
     """`grammar`'s constraint in this process, with a fresh matcher (as the sender's was before any token),
     against this process's copy of the sender's tokenizer."""
@@ -187,4 +204,4 @@ def rebuild_constraint(
                     "files"
                 )
             structured = _rebuilders[key] = StructuredOutput(tokenizer, vocab_size, eos_token_id)
-    return structured.constraint(grammar, gate_token_id)
+    return structured.constraint(grammar, gate)

@@ -25,6 +25,7 @@ from typing import Any
 from .reasoning import held_back
 
 CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
 PARAMETER_END = "</parameter>"
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -56,7 +57,30 @@ class ToolParse:
     deltas: list[ToolCallDelta] = field(default_factory=list)
 
 
-def _types(schema: dict[str, Any] | None) -> list[str]:
+def resolve_schema(schema: Any, root: dict[str, Any]) -> Any:
+    """`schema` with a local `$ref` (or a one-item allOf, as pydantic writes a referenced field) followed."""
+    for _ in range(32):  # a reference cycle stops here
+        if not isinstance(schema, dict):
+            return schema
+        if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
+            rest = {k: v for k, v in schema.items() if k != "allOf"}
+            schema = {**resolve_schema(schema["allOf"][0], root), **rest}
+            continue
+        reference = schema.get("$ref")
+        if not (isinstance(reference, str) and reference.startswith("#/")):
+            return schema
+        target: Any = root
+        for part in reference[2:].split("/"):
+            target = (
+                target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+            )
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        schema = {**target, **rest} if isinstance(target, dict) else rest
+    return schema
+
+
+def _types(schema: Any, root: dict[str, Any]) -> list[str]:
+    schema = resolve_schema(schema, root)
     if not isinstance(schema, dict):
         return []
     kind = schema.get("type")
@@ -64,17 +88,20 @@ def _types(schema: dict[str, Any] | None) -> list[str]:
         return [kind]
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
-    return [k for option in schema.get("anyOf", schema.get("oneOf", [])) for k in _types(option)]
+    if "properties" in schema:
+        return ["object"]
+    return [k for option in schema.get("anyOf", schema.get("oneOf", [])) for k in _types(option, root)]
 
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+def typed_value(text: str, schema: Any, root: dict[str, Any] | None = None) -> Any:
     """A parameter's text as the value its JSON schema declares (the text itself when it is a string, the
-    schema says nothing, or the text does not parse as the declared type)."""
-    kinds = _types(schema)
+    schema says nothing, or the text does not parse as the declared type); `root`: the tool's parameters
+    schema, which the schema's `$ref`s point into."""
+    kinds = _types(schema, root or {})
     for kind in kinds:
         if kind == "string":
             continue
@@ -104,11 +131,10 @@ class ToolCallParser:
     complete; `finish()` what remains at the end (an unterminated call's parameters so far, closed)."""
 
     def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
-        self._properties: dict[str, dict[str, Any]] = {}
+        self._parameters: dict[str, dict[str, Any]] = {}
         for tool in tools:
             function = tool.get("function", tool)
-            parameters = function.get("parameters") or {}
-            self._properties[function["name"]] = parameters.get("properties") or {}
+            self._parameters[function["name"]] = function.get("parameters") or {}
         self._pending = ""  # outside a call: a tail that may begin <tool_call>; inside: the call's text
         # Inside a call, how far into `_pending` no </parameter> can begin: a long value is scanned once,
         # not again with every delta.
@@ -171,8 +197,9 @@ class ToolCallParser:
             if parameter is None:
                 break
             key = parameter.group(1).strip()
-            schema = self._properties.get(self._name, {}).get(key)
-            value = json.dumps(typed_value(parameter.group(2), schema), ensure_ascii=False)
+            parameters = self._parameters.get(self._name, {})
+            schema = (parameters.get("properties") or {}).get(key)
+            value = json.dumps(typed_value(parameter.group(2), schema, parameters), ensure_ascii=False)
             self._arguments(
                 parse, ("{" if self._num_arguments == 0 else ", ") + f"{json.dumps(key)}: {value}"
             )
