@@ -95,7 +95,14 @@ def layer_types(layers: int) -> list[str]:
 
 
 def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
-    config = Qwen3_5TextConfig(
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(text_config(layers, dtype)).to(dtype).save_pretrained(directory)
+    return directory
+
+
+def text_config(layers: int, dtype: torch.dtype) -> Qwen3_5TextConfig:
+    """The random ~0.75B model's config (`layers` decoder layers)."""
+    return Qwen3_5TextConfig(
         vocab_size=248320,
         hidden_size=1024,
         intermediate_size=3584,
@@ -113,9 +120,6 @@ def random_checkpoint(directory: Path, layers: int, dtype: torch.dtype) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
         dtype=str(dtype).removeprefix("torch."),
     )
-    torch.manual_seed(0)
-    Qwen3_5ForCausalLM(config).to(dtype).save_pretrained(directory)
-    return directory
 
 
 def read_bandwidth_gbs(device: str, repeats: int, gigabytes: float = 1.0) -> dict:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_generate import text_config
 from PIL import Image
 from timing import command_line, fmt, machine, spread
 from transformers import (
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
-    Qwen3_5TextConfig,
     Qwen3_5VisionConfig,
 )
 
@@ -46,22 +46,7 @@ TEXT_TOKENS = 64
 
 def random_checkpoint(directory: Path, layers: int, depth: int, dtype: torch.dtype) -> Path:
     """bench_generate.py's text model (hidden 1024) behind Qwen3.6-27B's vision tower (depth `depth`)."""
-    text = Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=layers,
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
+    text = text_config(layers, dtype)
     vision = Qwen3_5VisionConfig(depth=depth, out_hidden_size=text.hidden_size)
     config = Qwen3_5Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True
