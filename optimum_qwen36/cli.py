@@ -113,10 +113,27 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _export(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
-    from . import NeuronQwen36ForCausalLM
+def _model_class(args: argparse.Namespace) -> type[NeuronQwen36ForCausalLM]:
+    """NeuronQwen36ForConditionalGeneration for a checkpoint (or exported model) with a vision tower, else
+    the text model."""
+    from . import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
 
-    return NeuronQwen36ForCausalLM.from_pretrained(
+    path = os.path.join(args.model, "config.json")
+    if not os.path.isfile(path):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(args.model, "config.json", revision=args.revision)
+        except Exception:  # not a Hub repository either: from_pretrained says why
+            return NeuronQwen36ForCausalLM
+    with open(path) as f:
+        config = json.load(f)
+    vision = config.get("model_type") == "qwen3_5" and config.get("vision_config") is not None
+    return NeuronQwen36ForConditionalGeneration if vision else NeuronQwen36ForCausalLM
+
+
+def _export(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
+    return _model_class(args).from_pretrained(
         args.model,
         export=True,
         revision=args.revision,
@@ -166,18 +183,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> NeuronQwen36ForCausalLM:
     """An exported model directory (or Hub repository, with --trust-compiled-code) loads; a checkpoint is
     exported (the compile cache applies)."""
-    from . import NeuronQwen36ForCausalLM
-
     if os.path.isfile(os.path.join(args.model, NEURON_CONFIG_NAME)) or args.trust_compiled_code:
-        return NeuronQwen36ForCausalLM.from_pretrained(
-            args.model, trust_compiled_code=args.trust_compiled_code
-        )
+        return _model_class(args).from_pretrained(args.model, trust_compiled_code=args.trust_compiled_code)
     return _export(args)
+
+
+def _images_per_prompt(limit: str) -> int:
+    """--limit-mm-per-prompt as vLLM writes it ('{"image": 4}') or a number."""
+    try:
+        value = json.loads(limit)
+    except ValueError:
+        value = None
+    count = value.get("image") if isinstance(value, dict) else value
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise SystemExit(f"--limit-mm-per-prompt must be like '{{\"image\": 4}}' or a number, got {limit!r}")
+    return count
 
 
 def serve_app(args: argparse.Namespace) -> FastAPI:
     """The app `serve` runs for its parsed arguments; it loads (or exports) the model once started."""
     from .server import ServedModel, ServerSettings, build_app, served_model
+    from .server.images import ImageLimits
 
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
@@ -188,11 +214,19 @@ def serve_app(args: argparse.Namespace) -> FastAPI:
         url=f"http://{args.host}:{args.port}",
     )
 
+    processor = json.loads(args.mm_processor_kwargs or "{}")
+    limits = ImageLimits(
+        max_images_per_prompt=_images_per_prompt(args.limit_mm_per_prompt),
+        max_pixels=processor.get("max_pixels"),
+        allowed_media_domains=tuple(args.allowed_media_domains),
+    )
+
     def load() -> ServedModel:
         return served_model(
             _load(args),
             prefix_caching=args.prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            image_limits=limits,
         )
 
     return build_app(load, settings)
@@ -302,6 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a chat page at / over the OpenAI endpoints (default: on; see docs/WEB_UI.md)",
     )
     serve.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    serve.add_argument(
+        "--limit-mm-per-prompt",
+        default='{"image": 4}',
+        help="images a request may carry, as vLLM writes it ('{\"image\": 4}') or a number",
+    )
+    serve.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="domains whose http(s) image URLs the server fetches (default: none; data: URLs always work)",
+    )
+    serve.add_argument(
+        "--mm-processor-kwargs",
+        default=None,
+        help="the image processor's settings, as vLLM takes them: '{\"max_pixels\": 1003520}' scales larger "
+        "images down",
+    )
     serve.add_argument(
         "--max-waiting-requests", type=int, default=256, help="queued requests beyond these get a 503"
     )

@@ -73,7 +73,11 @@ def strengthen_decays(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_checkpoint(
-    directory: Path, layout: str = "causal", seed: int = 0, **overrides: Any
+    directory: Path,
+    layout: str = "causal",
+    seed: int = 0,
+    vision_tokens: dict[str, int] = TINY_VISION_TOKENS,
+    **overrides: Any,
 ) -> tuple[Path, torch.nn.Module]:
     """Build a random transformers model (layout "causal" = Qwen3_5ForCausalLM, "conditional" =
     Qwen3_5ForConditionalGeneration with a tiny vision tower), save it, return (dir, fp32 model)."""
@@ -87,7 +91,7 @@ def save_tiny_checkpoint(
             text_config=text_config.to_dict(),
             vision_config=vision,
             tie_word_embeddings=text_config.tie_word_embeddings,
-            **TINY_VISION_TOKENS,
+            **vision_tokens,
         )
         model = Qwen3_5ForConditionalGeneration(config)
     else:

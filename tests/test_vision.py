@@ -7,23 +7,30 @@ import base64
 import functools
 import http.server
 import io
+import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import torch
 from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
 from helpers import image_patches, image_tokens
 from PIL import Image
+from running_server import API_KEY, RunningServer
 from transformers import Qwen3_5ForConditionalGeneration
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
+from optimum_qwen36.cli import _images_per_prompt, build_parser
 from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.network.vision import ImageInput, Qwen36VisionModel
+from optimum_qwen36.server import ServerSettings, build_app, served_model
 from optimum_qwen36.server.errors import OpenAIError
 from optimum_qwen36.server.images import ImageLimits, ImageReader
+from optimum_qwen36.tokenizer import load_qwen36_tokenizer
 
 IMAGE = TINY_VISION_TOKENS["image_token_id"]
 SETTINGS = dict(backend="eager", dtype="float32", batch_size=2, sequence_length=128, prefill_chunk_size=8)
@@ -284,3 +291,114 @@ def test_an_image_url_is_fetched_only_from_an_allowed_domain(checkpoint, tmp_pat
     finally:
         server.shutdown()
         thread.join(timeout=10)
+
+
+# ------------------------------------------------------------------------------------------ the server
+QWEN_VISION_TOKENS = dict(
+    vision_start_token_id=248053, vision_end_token_id=248054, image_token_id=248056, video_token_id=248057
+)
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any]]:
+    """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, served (eager)."""
+    directory, _ = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("served") / "ckpt",
+        layout="conditional",
+        seed=4,
+        vision_tokens=QWEN_VISION_TOKENS,
+        vocab_size=248_320,
+    )
+    model = NeuronQwen36ForConditionalGeneration.from_pretrained(
+        directory, export=True, **{**SETTINGS, "sequence_length": 256, "prefill_chunk_size": 32}
+    )
+    limits = ImageLimits(max_images_per_prompt=2)
+    settings = ServerSettings("tiny-vision", api_key=API_KEY)
+    running = RunningServer(build_app(lambda: served_model(model, image_limits=limits), settings))
+    running.wait_healthy()
+    yield running, model
+    running.stop()
+
+
+def test_the_server_answers_an_image_as_generate_does(vision_server) -> None:
+    """Through the openai client, streamed and not: the image's tokens count in usage, and the tokens are
+    generate()'s on the same rendered prompt and the processor's patches."""
+    running, model = vision_server
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key=API_KEY)
+    picture = Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": data_url(picture, "PNG")}},
+    ]
+    request = dict(
+        model="tiny-vision",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    answer = client.chat.completions.create(**request)
+    served = [entry.token for entry in answer.choices[0].logprobs.content]
+    reader = ImageReader(None, model.checkpoint_config.vision_config, 248056, ImageLimits())
+    (image,) = reader.read([("image", data_url(picture, "PNG"))])
+    tokenizer = load_qwen36_tokenizer()
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    prompt = reader.place(tokenizer.encode(text, add_special_tokens=False), [image])
+    assert answer.usage.prompt_tokens == len(prompt) and prompt.count(248056) == image.num_tokens(2) > 1
+    expected = model.generate(
+        torch.tensor([prompt]),
+        pixel_values=image.pixel_values,
+        image_grid_thw=[image.grid_thw],
+        max_new_tokens=6,
+        eos_token_id=None,
+    )[0, len(prompt) :].tolist()
+    assert served == [tokenizer.decode([token]) for token in expected]
+    stream = client.chat.completions.create(**request, stream=True)
+    streamed = [
+        entry.token
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert streamed == served
+
+
+def test_the_server_refuses_bad_images_by_part_and_goes_on(vision_server) -> None:
+    running, _ = vision_server
+    picture = Image.fromarray(np.random.default_rng(4).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    good = {"type": "image_url", "image_url": {"url": data_url(picture, "PNG")}}
+    cases = [
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}], "decoded"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}], "allowed-media-domains"),
+        ([good, good, good], "at most 2"),
+    ]
+    for content, reason in cases:
+        body = {"model": "tiny-vision", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        status, _, raw = running.request("POST", "/v1/chat/completions", body)
+        error = json.loads(raw)["error"]
+        assert status == 400 and reason in error["message"], error
+    system_image = {"role": "system", "content": [good]}
+    body = {
+        "model": "tiny-vision",
+        "messages": [system_image, {"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
+    assert running.request("POST", "/v1/chat/completions", body)[0] == 400
+    body = {"model": "tiny-vision", "messages": [{"role": "user", "content": [good]}], "max_tokens": 2}
+    assert running.request("POST", "/v1/chat/completions", body)[0] == 200
+
+
+def test_serve_takes_vllms_image_flags() -> None:
+    args = build_parser().parse_args(
+        ["serve", "ckpt", "--limit-mm-per-prompt", '{"image": 2}', "--allowed-media-domains", "example.com"]
+    )
+    assert _images_per_prompt(args.limit_mm_per_prompt) == 2 and args.allowed_media_domains == ["example.com"]
+    assert _images_per_prompt("3") == 3
+    with pytest.raises(SystemExit, match="limit-mm-per-prompt"):
+        _images_per_prompt('{"image": -1}')

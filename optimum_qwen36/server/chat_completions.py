@@ -14,12 +14,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..engine import EngineRequest, RequestOutput
+from ..network.vision import ImageInput
 from .chat import ChatDelta, ChatOutputParser, encode_chat, template_messages
 from .errors import bad_request
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, NamedToolChoice
 from .reasoning import prompt_opens_reasoning
 from .responses import Choice, ChoicesResponse, token_usage
+from .served import ServedModel
 from .tool_grammar import forced_tool_grammar
 
 # The tool choices whose calls a grammar forces.
@@ -58,8 +60,16 @@ async def prepare_chat(server: OpenAIServer, body: ChatCompletionRequest, respon
     template_kwargs = {"enable_thinking": server.settings.default_enable_thinking}
     template_kwargs.update(body.chat_template_kwargs or {})
     messages = template_messages(body.messages)
+    images = await _read_images(model, messages)
     chat_prompt = encode_chat(model.tokenizer, messages, shown_tools, template_kwargs)
-    prompt_ids = server.check_ids(chat_prompt.token_ids, "messages")
+    history = chat_prompt.history
+    token_ids = chat_prompt.token_ids
+    if images:
+        token_ids, history = (
+            model.images.place(token_ids, images),
+            model.images.placed_history(token_ids, history, images),
+        )
+    prompt_ids = server.check_ids(token_ids, "messages")
     in_reasoning = prompt_opens_reasoning(chat_prompt.text)
     gate = server.reasoning_gate(body) if in_reasoning else None
     server.admit(body.n)
@@ -81,9 +91,31 @@ async def prepare_chat(server: OpenAIServer, body: ChatCompletionRequest, respon
         prepared.choices.append(Choice(j, prompt_ids))
         prepared.parsers.append(ChatOutputParser(in_reasoning, shown_tools))
         request_id = f"{response_id}-{j}"
-        engine_request = EngineRequest(prompt_ids, params, request_id, constraint, chat_prompt.history)
+        engine_request = EngineRequest(prompt_ids, params, request_id, constraint, history, images=images)
         prepared.requests.append(engine_request)
     return prepared
+
+
+async def _read_images(model: ServedModel, messages: list[dict[str, Any]]) -> tuple[ImageInput, ...]:
+    """The images of the messages' image parts, in prompt order; a model without a vision tower refuses
+    them by name."""
+    parts = [
+        (f"messages.{i}.content.{j}", part["image_url"]["url"])
+        for i, message in enumerate(messages)
+        if isinstance(message.get("content"), list)
+        for j, part in enumerate(message["content"])
+        if part.get("type") == "image_url"
+    ]
+    if not parts:
+        return ()
+    if model.images is None:
+        where = parts[0][0]
+        raise bad_request(
+            f"{where} is an image, but this model takes text only (serve a Qwen3.5 / Qwen3.6 checkpoint "
+            "with its vision tower to send images).",
+            where,
+        )
+    return tuple(await asyncio.to_thread(model.images.read, parts))
 
 
 def _tool_choice(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> tuple[str, str | None]:

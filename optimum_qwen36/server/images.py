@@ -109,6 +109,15 @@ class ImageReader:
             )
         return expanded
 
+    def placed_history(
+        self, prompt_ids: Sequence[int], history: int | None, images: Sequence[ImageInput]
+    ) -> int | None:
+        """Where the conversation so far ends in the placed prompt, from where it ends in `prompt_ids`."""
+        if history is None:
+            return None
+        before = list(prompt_ids[:history]).count(self.image_token_id)
+        return history + sum(image.num_tokens(self.merge_size) - 1 for image in images[:before])
+
     def _image_bytes(self, where: str, url: str) -> bytes:
         if url.startswith("data:"):
             header, comma, data = url.partition(",")

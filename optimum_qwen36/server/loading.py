@@ -8,6 +8,7 @@ from typing import Any
 from ..engine import AsyncEngine
 from ..modeling.causal_lm import NeuronQwen36ForCausalLM
 from ..tokenizer import load_qwen36_tokenizer
+from .images import ImageLimits, ImageReader
 from .served import GENERATION_DEFAULTS, ServedModel
 
 
@@ -17,6 +18,7 @@ def served_model(
     *,
     prefix_caching: bool = True,
     max_num_batched_tokens: int | None = None,
+    image_limits: ImageLimits | None = None,
 ) -> ServedModel:
     """Start an engine over `model` and describe it. Prefix caching is on unless turned off, as in vLLM,
     whether or not the model was exported with it: it changes the engine's KV block pool, not the graphs."""
@@ -26,6 +28,11 @@ def served_model(
     )
     # Only what generation_config.json sets (to_diff_dict leaves out the class defaults), as vLLM does.
     configured = model.generation_config.to_diff_dict() if model.generation_config is not None else {}
+    images = None
+    if model.image_encoder is not None:
+        config = model.checkpoint_config
+        limits = image_limits or ImageLimits()
+        images = ImageReader(model.tokenizer_dir, config.vision_config, config.image_token_id, limits)
     return ServedModel(
         engine=AsyncEngine(engine),
         end_token_ids=tuple(engine.eos_token_ids),
@@ -35,4 +42,5 @@ def served_model(
         max_num_seqs=model.neuron_config.batch_size,
         eos_token_id=tokenizer.eos_token_id,
         generation_defaults={k: configured[k] for k in GENERATION_DEFAULTS if configured.get(k) is not None},
+        images=images,
     )

@@ -93,17 +93,32 @@ class TextPart(BodyPart):
 MessageContent = str | list[TextPart]
 
 
+class ImageURL(BodyPart):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BodyPart):
+    """An image of a user message: a data: URL, or an http(s) URL the server may fetch (server/images.py)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+UserContent = str | list[TextPart | ImagePart]
+
+
 def check_text_parts(content: Any, kinds: tuple[str, ...] = ("text",), untyped: str | None = "text") -> Any:
-    """This server runs the text model: an image, audio or file part (any part whose type is not one of
-    `kinds`; a part without a type counts as `untyped`) is refused by name instead of being dropped or
-    rendered as placeholder tokens."""
+    """A part whose type is not one of `kinds` (a part without a type counts as `untyped`): an audio or file
+    part, or an image outside a user message, is refused by name instead of being dropped or rendered as
+    placeholder tokens."""
     if isinstance(content, list):
         for number, part in enumerate(content):
             kind = part.get("type", untyped) if isinstance(part, dict) else None
             if kind not in kinds:
                 described = f"a {kind!r} part" if isinstance(kind, str) else "not a content part"
                 raise ValueError(
-                    f"content[{number}] is {described}: this server runs the text model and takes only "
+                    f"content[{number}] is {described}: this message takes only "
                     f"{' or '.join(repr(k) for k in kinds)} parts"
                 )
     return content
@@ -135,7 +150,13 @@ class DeveloperMessage(_Message):
 
 class UserMessage(_Message):
     role: Literal["user"]
-    content: MessageContent
+    content: UserContent
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        """Text and image parts (a model without a vision tower refuses the images by name)."""
+        return check_text_parts(content, kinds=("text", "image_url"))
 
 
 class FunctionCall(BodyPart):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import AsyncEngine
+from .images import ImageReader
 
 # Sampling fields a model's generation_config.json may set as defaults (vLLM applies the same ones).
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -25,6 +26,8 @@ class ServedModel:
     # Every token that ends generation (the generation config's EOS ids and the tokenizer's).
     end_token_ids: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # Reads chat requests' image parts; None: the model takes text only.
+    images: ImageReader | None = None
 
 
 @dataclass
