@@ -52,6 +52,10 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
 TINY_VISION_TOKENS = dict(
     vision_start_token_id=505, vision_end_token_id=506, image_token_id=507, video_token_id=508
 )
+# Qwen's own vision token ids: a checkpoint with Qwen's vocabulary (the real tokenizer and chat template).
+QWEN_VISION_TOKENS = dict(
+    vision_start_token_id=248053, vision_end_token_id=248054, image_token_id=248056, video_token_id=248057
+)
 
 
 def tiny_text_config(**overrides: Any) -> Qwen3_5TextConfig:

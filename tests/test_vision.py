@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
+from conftest import QWEN_VISION_TOKENS, TINY_VISION_TOKENS, save_tiny_checkpoint
 from helpers import image_patches, image_tokens
 from PIL import Image
 from running_server import API_KEY, RunningServer
@@ -294,11 +294,6 @@ def test_an_image_url_is_fetched_only_from_an_allowed_domain(checkpoint, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------ the server
-QWEN_VISION_TOKENS = dict(
-    vision_start_token_id=248053, vision_end_token_id=248054, image_token_id=248056, video_token_id=248057
-)
-
-
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any]]:
     """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, served (eager)."""

@@ -5,20 +5,26 @@ storage) and waits on page conditions, never on time."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL, cached_chat_checkpoint
+from conftest import QWEN_VISION_TOKENS, save_tiny_checkpoint
+from PIL import Image
 from running_server import API_KEY, RunningServer
 from web_page import EXPECT_TIMEOUT_MS, ChatPage, launch_chromium, missing_browser
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
 from optimum_qwen36.cli import build_parser, serve_app
 from optimum_qwen36.server import ServerSettings, build_app, served_model
+from optimum_qwen36.server.images import ImageLimits
 from optimum_qwen36.server.web_ui import CONTENT_SECURITY_POLICY
 
 MODEL = "tiny-chat"
@@ -360,3 +366,147 @@ def test_no_web_ui_leaves_slash_a_404_and_the_api_as_it_is() -> None:
     assert client.post("/v1/chat/completions", json=request).status_code == 503
     with_page = TestClient(serve_app(build_parser().parse_args(["serve", "checkpoint"])))
     assert with_page.get("/").status_code == 200
+
+
+# ---------------------------------------------------------------------- images
+VISION_MODEL = "tiny-vision"
+
+
+def png(seed: int) -> bytes:
+    picture = Image.fromarray(np.random.default_rng(seed).integers(0, 255, (32, 48, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, served (eager), two
+    images a prompt at most."""
+    directory, _ = save_tiny_checkpoint(
+        tmp_path_factory.mktemp("vision") / "ckpt",
+        layout="conditional",
+        seed=4,
+        vision_tokens=QWEN_VISION_TOKENS,
+        vocab_size=248_320,
+    )
+    settings = dict(
+        backend="eager", dtype="float32", batch_size=2, sequence_length=256, prefill_chunk_size=32
+    )
+    model = NeuronQwen36ForConditionalGeneration.from_pretrained(directory, export=True, **settings)
+    limits = ImageLimits(max_images_per_prompt=2)
+    app = build_app(
+        lambda: served_model(model, image_limits=limits), ServerSettings(VISION_MODEL, api_key=API_KEY)
+    )
+    running = RunningServer(app)
+    running.wait_healthy()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def vision_page(chromium, vision_server) -> Iterator[ChatPage]:
+    """The page of the vision server, thinking off, 3 tokens an answer."""
+    with opened_page(chromium, vision_server, api_key=API_KEY) as page:
+        page.wait_for_model(VISION_MODEL)
+        page.set_thinking(False)
+        page.set_settings(**{"Temperature": "0", "Max tokens": "3"})
+        yield page
+
+
+def test_images_attached_dropped_and_pasted_are_sent_shown_and_kept(
+    vision_page: ChatPage, vision_server: RunningServer
+) -> None:
+    from playwright.sync_api import expect
+
+    page = vision_page.page
+    thumbnails = page.locator("#attachments img")
+    vision_page.attach_file("chosen.png", "image/png", png(1))
+    expect(thumbnails).to_have_count(1)
+    vision_page.give_file("paste", "pasted.png", "image/png", png(2))
+    expect(thumbnails).to_have_count(2)
+    vision_page.give_file("drop", "dropped.png", "image/png", png(3))
+    expect(thumbnails).to_have_count(3)
+    page.get_by_role("button", name="Remove image 2").click()  # the pasted one
+    expect(thumbnails).to_have_count(2)
+    vision_page.give_file("drop", "notes.txt", "text/plain", b"text")
+    expect(page.locator("#composer-notice")).to_have_text("Not an image, left out: notes.txt.")
+    expect(thumbnails).to_have_count(2)
+    shown = [thumbnails.nth(i).get_attribute("src") for i in range(2)]
+
+    with page.expect_request("**/v1/chat/completions") as sent:
+        vision_page.send("What is this?")
+    answer = vision_page.wait_for_answers(1)
+    content = sent.value.post_data_json["messages"][-1]["content"]
+    expected = [png(1), png(3)]
+    assert content[0] == {"type": "text", "text": "What is this?"}
+    assert [part["image_url"]["url"] for part in content[1:]] == [
+        "data:image/png;base64," + base64.b64encode(data).decode() for data in expected
+    ]
+    assert shown == [part["image_url"]["url"] for part in content[1:]]
+    expect(thumbnails).to_have_count(0)
+    expect(page.locator("#composer-notice")).to_be_hidden()
+    # The prompt holds the images' tokens: more than the same message as text alone.
+    text_alone = {"model": VISION_MODEL, "messages": [{"role": "user", "content": "What is this?"}]}
+    text_alone["chat_template_kwargs"] = {"enable_thinking": False}
+    status, _, body = vision_server.request("POST", "/tokenize", text_alone)
+    assert status == 200
+    assert vision_page.stat(answer, "prompt") > json.loads(body)["count"]
+    assert vision_page.stat(answer, "completion") == 3
+
+    in_conversation = page.locator(".message.user .images img")
+    expect(in_conversation).to_have_count(2)
+    page.reload()  # kept in localStorage with the conversation
+    vision_page.wait_for_model(VISION_MODEL)
+    expect(in_conversation).to_have_count(2)
+    assert [in_conversation.nth(i).get_attribute("src") for i in range(2)] == shown
+    # Sent again with the history: the second request carries the first message's images.
+    with page.expect_request("**/v1/chat/completions") as again:
+        vision_page.send("And now?")
+    vision_page.wait_for_answers(2)
+    assert again.value.post_data_json["messages"][0]["content"] == content
+
+
+def test_an_image_the_server_refuses_shows_its_message(vision_page: ChatPage) -> None:
+    from playwright.sync_api import expect
+
+    vision_page.attach_file("broken.png", "image/png", b"not a PNG")
+    vision_page.send("What is this?")
+    error = vision_page.answers().last.locator(".error")
+    expect(error).to_contain_text("could not be decoded as PNG, JPEG or WebP")
+
+
+def test_full_storage_is_told_and_the_answer_still_comes(vision_page: ChatPage) -> None:
+    from playwright.sync_api import expect
+
+    page = vision_page.page
+    page.evaluate(
+        """() => {
+        let size = 1 << 22;
+        for (let i = 0; size >= 1; i++) {
+            try {
+                localStorage.setItem(`filler-${i}`, "x".repeat(size));
+            } catch {
+                size >>= 1;
+            }
+        }
+    }"""
+    )
+    vision_page.attach_file("chosen.png", "image/png", png(1))
+    vision_page.send("What is this?")
+    vision_page.wait_for_answers(1)
+    expect(page.locator("#composer-notice")).to_contain_text("Local storage is full")
+    expect(page.locator(".message.user .images img")).to_have_count(1)
+
+
+def test_a_text_only_model_offers_no_image_attachment(chat_page: ChatPage, server: RunningServer) -> None:
+    from playwright.sync_api import expect
+
+    status, _, body = server.request("GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["input_modalities"] == ["text"]
+    expect(chat_page.page.get_by_label("Message")).to_be_visible()
+    expect(chat_page.page.locator("#attach")).to_be_hidden()
+    chat_page.give_file("paste", "pasted.png", "image/png", png(1))
+    notice = chat_page.page.locator("#composer-notice")
+    expect(notice).to_have_text("This model takes text only: images cannot be sent.")
+    expect(chat_page.page.locator("#attachments img")).to_have_count(0)

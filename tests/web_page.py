@@ -4,6 +4,7 @@ tests/web_ui_screenshot.py use it."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import shutil
@@ -92,6 +93,33 @@ class ChatPage:
     def send(self, text: str) -> None:
         self.page.get_by_label("Message").fill(text)
         self.page.get_by_label("Message").press("Enter")
+
+    def attach_file(self, name: str, mime_type: str, data: bytes) -> None:
+        """Choose a file with the page's file input (behind the "Attach images" button)."""
+        file = {"name": name, "mimeType": mime_type, "buffer": data}
+        self.page.get_by_label("Attach images").set_input_files(file)
+
+    def give_file(self, event: str, name: str, mime_type: str, data: bytes) -> None:
+        """Paste (event "paste", into the message box) or drop (event "drop", onto the composer) a file, as
+        the browser delivers one from the clipboard or a drag."""
+        self.page.evaluate(
+            """([event, name, mimeType, base64]) => {
+            const bytes = Uint8Array.from(atob(base64), (c) => c.charCodeAt(0));
+            const transfer = new DataTransfer();
+            transfer.items.add(new File([bytes], name, {type: mimeType}));
+            const init = {bubbles: true, cancelable: true};
+            if (event === "paste") {
+                document.getElementById("prompt").dispatchEvent(
+                    new ClipboardEvent("paste", {...init, clipboardData: transfer})
+                );
+            } else {
+                const target = document.getElementById("prompt");
+                target.dispatchEvent(new DragEvent("dragover", {...init, dataTransfer: transfer}));
+                target.dispatchEvent(new DragEvent("drop", {...init, dataTransfer: transfer}));
+            }
+        }""",
+            [event, name, mime_type, base64.b64encode(data).decode()],
+        )
 
     def answers(self) -> Any:
         return self.page.locator(".message.assistant")

@@ -37,6 +37,9 @@ def models(server: OpenAIServer) -> dict[str, Any]:
         "owned_by": "optimum-qwen36",
         "root": name,
         "max_model_len": model.max_model_len,
+        # What a request's messages may carry (the chat page offers image attachment when "image" is here);
+        # the field's name and values are OpenRouter's model card's.
+        "input_modalities": ["text", "image"] if model.images is not None else ["text"],
     }
     return {"object": "list", "data": [card]}
 

@@ -164,6 +164,7 @@ class ModelCard(_Body):
     owned_by: str
     root: str | None = None
     max_model_len: int | None = None
+    input_modalities: list[Literal["text", "image"]] | None = None
 
 
 class ModelList(_Body):

@@ -15,9 +15,10 @@ from fastapi.responses import Response
 from .errors import OpenAIError
 
 # The page loads nothing but its own files and fetches nothing but this server: no inline script or style,
-# no other origin, not framable.
+# no other origin, not framable. Images may also be data: URLs (attached images, which are in the page
+# already: no request).
 CONTENT_SECURITY_POLICY = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 _HEADERS = {

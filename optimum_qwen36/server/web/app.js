@@ -1,6 +1,7 @@
 // The chat page of `optimum-qwen36 serve`: a plain OpenAI client of this server (GET /v1/models, POST
 // /v1/chat/completions streamed). Conversations and settings stay in this browser's localStorage, the API
-// key (asked for only when the server answers 401) in this tab's sessionStorage. No framework and no build
+// key (asked for only when the server answers 401) in this tab's sessionStorage. Images (dropped, pasted or
+// attached, when the model takes them) go as data: URLs in the user message's content parts. No framework and no build
 // step: the file the server ships is the file that runs. See docs/WEB_UI.md.
 "use strict";
 
@@ -41,6 +42,10 @@ const ui = {
   messages: $("messages"),
   composer: $("composer"),
   toolReply: $("tool-reply"),
+  composerNotice: $("composer-notice"),
+  attachments: $("attachments"),
+  attach: $("attach"),
+  imageInput: $("image-input"),
   prompt: $("prompt"),
   thinking: $("thinking"),
   stop: $("stop"),
@@ -59,6 +64,9 @@ const state = {
   settings: { ...DEFAULT_SETTINGS, ...readJSON(localStorage, STORAGE_KEYS.settings, {}) },
   streaming: null, // while an answer streams: {controller, conversation, message}
   keyPrompt: null, // the pending API key question, shared by the requests that met a 401
+  attachments: [], // data: URLs of the images the next message carries
+  storageFull: false, // the last save of the conversations did not fit in localStorage
+  attachmentNotice: null, // why the last images given were not attached
 };
 
 // ---------------------------------------------------------------- storage
@@ -72,9 +80,18 @@ function readJSON(storage, key, fallback) {
   }
 }
 
+// Images make conversations large: when localStorage is full, the page goes on (the conversations live in
+// memory until it is closed) and says so.
 function saveConversations() {
-  localStorage.setItem(STORAGE_KEYS.conversations, JSON.stringify(state.conversations));
-  localStorage.setItem(STORAGE_KEYS.currentConversation, state.currentId ?? "");
+  try {
+    localStorage.setItem(STORAGE_KEYS.conversations, JSON.stringify(state.conversations));
+    localStorage.setItem(STORAGE_KEYS.currentConversation, state.currentId ?? "");
+    state.storageFull = false;
+  } catch (error) {
+    if (error.name !== "QuotaExceededError") throw error;
+    state.storageFull = true;
+  }
+  showNotice();
 }
 
 function saveSettings() {
@@ -117,7 +134,7 @@ function deleteConversation(id) {
 function touch(conversation) {
   conversation.updated = Date.now();
   const first = conversation.messages.find((m) => m.role === "user");
-  if (first) conversation.title = first.content.slice(0, TITLE_LENGTH);
+  if (first) conversation.title = (first.content || "Image").slice(0, TITLE_LENGTH);
   state.conversations.sort((a, b) => b.updated - a.updated);
 }
 
@@ -204,6 +221,7 @@ async function loadModel() {
     return;
   }
   state.model = (await response.json()).data[0];
+  renderComposer(); // image attachment, if the model takes images
   const context = `context ${state.model.max_model_len.toLocaleString("en")} tokens`;
   ui.modelName.textContent = state.model.id;
   ui.modelContext.textContent = context;
@@ -238,6 +256,10 @@ function apiMessage(message) {
       function: { name, arguments: args },
     }));
     return { role: "assistant", content: message.content || null, tool_calls: calls };
+  }
+  if (message.images?.length) {
+    const images = message.images.map((url) => ({ type: "image_url", image_url: { url } }));
+    return { role: message.role, content: [{ type: "text", text: message.content }, ...images] };
   }
   return { role: message.role, content: message.content };
 }
@@ -287,13 +309,12 @@ async function* serverEvents(response) {
 
 // ---------------------------------------------------------------- answering
 
-function send(text) {
+function send(text, images) {
   let conversation = currentConversation() ?? startConversation();
   const call = pendingToolCall(conversation);
+  const user = images.length ? { role: "user", content: text, images } : { role: "user", content: text };
   conversation.messages.push(
-    call
-      ? { role: "tool", tool_call_id: call.id, name: call.name, content: text }
-      : { role: "user", content: text },
+    call ? { role: "tool", tool_call_id: call.id, name: call.name, content: text } : user,
   );
   touch(conversation);
   answer(conversation);
@@ -422,7 +443,7 @@ function renderMessages() {
   const lastAnswer = messages.findLastIndex((m) => m.role === "assistant");
   ui.messages.replaceChildren(
     ...messages.map((message, index) => {
-      if (message.role === "user") return textMessage("user", "You", message.content);
+      if (message.role === "user") return userMessage(message);
       if (message.role === "tool") return textMessage("tool", `Result of ${message.name}`, message.content);
       const streaming = state.streaming?.message === message;
       const regenerable = index === lastAnswer && index === messages.length - 1 && !state.streaming;
@@ -436,6 +457,23 @@ function textMessage(role, label, text) {
   const node = element("article", `message ${role}`);
   node.append(element("h3", "role", label), element("div", "content", text));
   return node;
+}
+
+function userMessage(message) {
+  const node = textMessage("user", "You", message.content);
+  if (message.images?.length) {
+    const images = element("div", "images");
+    images.append(...message.images.map((url) => imageElement(url, "Attached image")));
+    node.querySelector(".content").before(images);
+  }
+  return node;
+}
+
+function imageElement(url, alt) {
+  const image = element("img");
+  image.src = url;
+  image.alt = alt;
+  return image;
 }
 
 // An assistant message: its reasoning (collapsible), content, tool calls, stats and error; `view` keeps the
@@ -527,6 +565,71 @@ function renderComposer() {
   ui.prompt.placeholder = call
     ? `Result of ${call.name} (JSON or text)`
     : "Message (Enter sends, Shift+Enter starts a new line)";
+  ui.attach.hidden = !takesImages() || Boolean(call);
+  renderAttachments();
+}
+
+// ---------------------------------------------------------------- images
+
+function takesImages() {
+  return Boolean(state.model?.input_modalities?.includes("image"));
+}
+
+function renderAttachments() {
+  ui.attachments.hidden = !state.attachments.length;
+  ui.attachments.replaceChildren(
+    ...state.attachments.map((url, index) => {
+      const item = element("li");
+      const remove = element("button", "attachment-remove", "×");
+      remove.type = "button";
+      remove.setAttribute("aria-label", `Remove image ${index + 1}`);
+      remove.addEventListener("click", () => {
+        state.attachments.splice(index, 1);
+        renderAttachments();
+      });
+      item.append(imageElement(url, `Image ${index + 1} to send`), remove);
+      return item;
+    }),
+  );
+}
+
+// Attaches the image files among `files` (from the file input, a drop or a paste) as data: URLs.
+async function attachFiles(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  const others = [...files].filter((file) => !file.type.startsWith("image/"));
+  if (images.length && !takesImages()) {
+    showNotice("This model takes text only: images cannot be sent.");
+    return;
+  }
+  if (images.length && pendingToolCall(currentConversation())) {
+    showNotice("Images go in your messages, not in a tool call's result.");
+    return;
+  }
+  showNotice(others.length ? `Not an image, left out: ${others.map((f) => f.name).join(", ")}.` : null);
+  const urls = await Promise.all(images.map(dataURL));
+  state.attachments.push(...urls);
+  renderAttachments();
+}
+
+function dataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.addEventListener("load", () => resolve(reader.result));
+    reader.addEventListener("error", () => reject(reader.error));
+    reader.readAsDataURL(file);
+  });
+}
+
+// The composer's notice: `text` (about the last attachment), else that storage is full, else none.
+function showNotice(text) {
+  if (text !== undefined) state.attachmentNotice = text;
+  const full = state.storageFull
+    ? "Local storage is full: this conversation is not saved and will be lost when the page closes. " +
+      "Delete old conversations (images take the most room) to save again."
+    : null;
+  const shown = state.attachmentNotice ?? full;
+  ui.composerNotice.hidden = !shown;
+  ui.composerNotice.textContent = shown ?? "";
 }
 
 // ---------------------------------------------------------------- settings
@@ -571,10 +674,47 @@ function checkTools() {
 ui.composer.addEventListener("submit", (event) => {
   event.preventDefault();
   const text = ui.prompt.value.trim();
-  if (!text || state.streaming) return;
+  const images = pendingToolCall(currentConversation()) ? [] : state.attachments;
+  if ((!text && !images.length) || state.streaming) return;
   ui.prompt.value = "";
-  send(text);
+  if (images.length) state.attachments = [];
+  showNotice(null);
+  send(text, images);
 });
+
+ui.imageInput.addEventListener("change", () => {
+  attachFiles(ui.imageInput.files);
+  ui.imageInput.value = ""; // the same file can be chosen again
+});
+
+ui.prompt.addEventListener("paste", (event) => {
+  const files = [...event.clipboardData.files];
+  if (!files.length) return; // text: pasted as usual
+  event.preventDefault();
+  attachFiles(files);
+});
+
+ui.composer.addEventListener("dragover", (event) => {
+  if (!event.dataTransfer.types.includes("Files")) return;
+  event.preventDefault();
+  ui.composer.classList.add("dropping");
+});
+
+ui.composer.addEventListener("dragleave", () => ui.composer.classList.remove("dropping"));
+
+ui.composer.addEventListener("drop", (event) => {
+  ui.composer.classList.remove("dropping");
+  if (!event.dataTransfer.files.length) return;
+  event.preventDefault();
+  attachFiles(event.dataTransfer.files);
+});
+
+// A file dropped beside the composer is not opened in place of the page.
+for (const type of ["dragover", "drop"]) {
+  window.addEventListener(type, (event) => {
+    if (event.dataTransfer.types.includes("Files")) event.preventDefault();
+  });
+}
 
 ui.prompt.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
