@@ -77,7 +77,7 @@ from timing import (
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.network.neuron_config import FP8_MODULE_SETS
+from optimum_qwen36.network.neuron_config import MODULE_SETS
 from optimum_qwen36.ops import huge_pages
 from optimum_qwen36.tokenizer import save_qwen36_tokenizer
 
@@ -589,7 +589,7 @@ def main() -> None:
         "--fp8",
         nargs="*",
         default=[],
-        choices=FP8_MODULE_SETS,
+        choices=MODULE_SETS,
         help="FP8 variants to run beside (fp8_modules)",
     )
     parser.add_argument(

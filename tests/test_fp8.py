@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.compile_cache import compile_key
-from optimum_qwen36.network.quantization import Fp8Linear, fp8_module_names
+from optimum_qwen36.network.quantization import Fp8Linear, linear_module_names
 from optimum_qwen36.network.weights import CheckpointError
 from optimum_qwen36.ops.fp8 import (
     DEFAULT_BLOCK_SIZE,
@@ -196,7 +196,7 @@ def test_official_layout_matches_transformers_on_dequantized_weights(official) -
     path, reference = official
     model = export_eager(path)
     assert (model.neuron_config.quantization, model.neuron_config.fp8_modules) == ("fp8", "linear")
-    assert fp8_modules(model) == set(fp8_module_names(model.config, "linear"))
+    assert fp8_modules(model) == set(linear_module_names(model.config, "linear"))
     linear = model.model.model.layers[0].linear_attn
     assert isinstance(linear.in_proj_a, torch.nn.Linear) and linear.in_proj_a.weight.dtype == torch.float32
     assert linear.in_proj_qkv.weight.dtype == torch.float8_e4m3fn
@@ -366,6 +366,6 @@ def test_fp8_settings_are_checked(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="needs quantization='fp8'"):
         export_eager(path, fp8_modules="mlp")
     with pytest.raises(ValueError, match="Unknown quantization"):
-        export_eager(path, quantization="int4")
+        export_eager(path, quantization="int2")
     with pytest.raises(ValueError, match="not an FP8 checkpoint"):
         export_eager(path, quantization="fp8", fp8_modules="checkpoint")
