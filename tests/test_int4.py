@@ -288,3 +288,58 @@ def test_int4_twin_equals_dequantized_linear() -> None:
     x = torch.randn(3, 200)
     expected = x @ dequantize_int4(packed, scales, zeros, 64, 200, torch.float32).t()
     torch.testing.assert_close(int4_linear_torch(x, packed, scales, zeros, 64), expected)
+
+
+# ------------------------------------------------------------------------ quantizing at export
+
+
+@pytest.mark.parametrize("int4_modules_name", ["mlp", "linear"])
+def test_quantization_at_export_selects_exactly_the_named_modules(
+    tiny_checkpoint, int4_modules_name: str
+) -> None:
+    path, reference = tiny_checkpoint("causal", seed=2)
+    model = export_eager(path, quantization="int4", int4_modules=int4_modules_name, int4_group_size=32)
+    assert (model.neuron_config.int4_modules, model.neuron_config.int4_group_size) == (int4_modules_name, 32)
+    quantized = int4_modules(model)
+    assert set(quantized) == expected_quantized(model.config, int4_modules_name)
+    for name, parameter in model.model.named_parameters():
+        if name.rsplit(".", 1)[0] not in quantized:  # embeddings, lm_head, norms, conv1d, in_proj_a/b, ...
+            assert parameter.dtype == torch.float32, name
+    state = reference.state_dict()
+    for name, module in quantized.items():
+        assert module.group_size == 32 and module.scales.dtype == torch.bfloat16
+        state[name + ".weight"] = dequantized(module)
+    reference.load_state_dict(state)
+    assert_matches(model, reference)
+
+
+def test_saved_model_is_a_compressed_tensors_checkpoint_transformers_loads(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """The saved weights are compressed-tensors pack-quantized: transformers (with the compressed-tensors
+    library) dequantizes them to our weights rounded to the scales' bf16, as its dequantization computes
+    them; we load the saved model back to the same weights and tokens. Per channel (the 64-feature
+    inputs with a group of 128) and per group side by side."""
+    from transformers import CompressedTensorsConfig, Qwen3_5ForCausalLM
+
+    path, reference = tiny_checkpoint("causal", seed=4)
+    model = export_eager(path, quantization="int4", int4_group_size=128)
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"]) == ("compressed-tensors", "pack-quantized")
+    assert "model.layers.0.linear_attn.in_proj_a" in config["ignore"]
+    theirs = Qwen3_5ForCausalLM.from_pretrained(
+        tmp_path / "saved", quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    modules = int4_modules(model)
+    assert {m.group_size for m in modules.values()} == {128}  # down_proj / o_proj: 128 inputs, the rest 64
+    for name, module in modules.items():
+        assert torch.equal(theirs[name + ".weight"], dequantized(module).bfloat16().float()), name
+    loaded = export_eager(tmp_path / "saved")
+    assert loaded.neuron_config.int4_modules == "checkpoint"
+    for name, module in int4_modules(loaded).items():
+        assert torch.equal(dequantized(module), dequantized(modules[name])), name
+    state = reference.state_dict()
+    state.update({name + ".weight": dequantized(module) for name, module in modules.items()})
+    reference.load_state_dict(state)
+    assert_matches(loaded, reference, lengths=[21])

@@ -28,6 +28,7 @@ from ..ops.int4 import (
     unpack_int4,
 )
 from .int4_checkpoints import COMPRESSED_TENSORS, PACK_QUANTIZED, Int4CheckpointFormat, pack_words
+from .model import Qwen36ForCausalLM
 from .quantization import kept_linear_names
 
 INT4_PARAMETERS = ("packed_weight", "scales", "zeros", "input_order")
@@ -81,10 +82,16 @@ class Int4Quantization:
 
     def config_dict(self, config: PretrainedConfig) -> dict[str, Any]:
         """The `quantization_config` of a saved model: compressed-tensors pack-quantized, one config group
-        per (group size, activation order), targeting its modules by name; every other linear ignored."""
+        per (group size or per channel, activation order), targeting its modules by name; every other linear
+        ignored."""
+        with torch.device("meta"):
+            model = Qwen36ForCausalLM(config, mtp=self.mtp)
         schemes: dict[tuple[int, bool], list[str]] = {}
         for name, module in self.modules:
-            schemes.setdefault((module.group_size, module.permuted), []).append(name)
+            # compressed-tensors' group strategy needs whole groups: one covering the input is per channel.
+            in_features = model.get_submodule(name).in_features
+            group_size = -1 if module.group_size >= in_features else module.group_size
+            schemes.setdefault((group_size, module.permuted), []).append(name)
         groups = {}
         for index, ((group_size, permuted), names) in enumerate(sorted(schemes.items())):
             weights = {
