@@ -27,12 +27,14 @@ from optimum_qwen36.ops.int4 import (
     BLOCK_HIGH,
     BLOCK_LOW,
     dequantize_int4,
+    int4_linear,
     int4_linear_torch,
     kernel_group_size,
     pack_int4,
     quantize_int4,
     unpack_int4,
 )
+from optimum_qwen36.ops.native import load_native_ops
 
 NEW_TOKENS = 24
 
@@ -106,6 +108,72 @@ def test_quantize_round_trip(group_size: int) -> None:
     step = scales.float().repeat_interleave(held, 1)[:, :300]
     assert ((back - weight).abs() <= step * (0.5 + 15 * 2**-8)).all()
     assert span is None or (step <= span / 15 * 1.01).all()
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("shape", [(70, 200), (300, 1024), (64, 64)])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+def test_int4_linear_equals_dequantized_linear(rows: int, shape: tuple[int, int], group_size: int) -> None:
+    """float32: the reference within float32 summation; bf16: the twin's semantics (weights dequantized to
+    bf16) computed exactly, against ours (float32 accumulation rounded to bf16; up to 8 rows the 4-bit weight
+    streamed, above bf16 tiles). Scales as the formats store them: bf16, float16, float32."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    generator = torch.Generator().manual_seed(rows)
+    held = kernel_group_size(group_size, shape[1])
+    packed, scales, zeros = quantize_int4(torch.randn(shape, generator=generator), held)
+    x = torch.randn(2, rows, shape[1], generator=generator)  # leading dimensions are kept
+    for scale_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        s = scales.to(scale_dtype)
+        reference = int4_linear_torch(x.double(), packed, s, zeros, held)
+        out = int4_linear(x, packed, s, zeros, held)
+        assert out.shape == (2, rows, shape[0]) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+        bf16 = int4_linear(x.bfloat16(), packed, s, zeros, held)
+        weight = dequantize_int4(packed, s, zeros, held, shape[1], torch.bfloat16)
+        exact = torch.nn.functional.linear(x.bfloat16().double(), weight.double())
+        bound = 2**-7 * exact.abs().max().item()
+        torch.testing.assert_close(bf16.double(), exact, atol=bound, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,group_size", [((301, 2100), 128), ((257, 320), 32), ((66, 96), 64), ((40, 200), 256)]
+)
+def test_int4_linear_rows_do_not_depend_on_the_batch(
+    dtype: torch.dtype, shape: tuple[int, int], group_size: int
+) -> None:
+    """Up to 8 rows (decode and verify steps, which stream the weight once), a row's output is bitwise the
+    same alone and with the others: every group size path, padded tails, the bf16 and float32 paths."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    generator = torch.Generator().manual_seed(shape[0])
+    held = kernel_group_size(group_size, shape[1])
+    packed, scales, zeros = quantize_int4(torch.randn(shape, generator=generator), held)
+    x = torch.randn(8, shape[1], generator=generator).to(dtype)
+    alone = torch.cat([int4_linear(row[None], packed, scales, zeros, held) for row in x])
+    for rows in range(2, 9):
+        assert torch.equal(int4_linear(x[:rows], packed, scales, zeros, held), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,group_size", [((300, 200), 64), ((1100, 300), 128), ((70, 130), 32)])
+def test_native_dequantized_tiles_equal_the_reference(
+    dtype: torch.dtype, shape: tuple[int, int], group_size: int
+) -> None:
+    """Prefill's path (more than 8 rows) multiplies tiles dequantized natively; x = the identity reads them
+    back exactly, to compare bit for bit with dequantize_int4. Also: zero rows."""
+    assert load_native_ops(), "the native CPU kernel should build on this machine"
+    torch.manual_seed(1)
+    held = kernel_group_size(group_size, shape[1])
+    packed, scales, zeros = quantize_int4(torch.randn(shape) * torch.logspace(-3, 1, shape[1]), held)
+    out = torch.ops.optimum_qwen36.int4_linear(torch.eye(shape[1], dtype=dtype), packed, scales, zeros, held)
+    assert torch.equal(out.t(), dequantize_int4(packed, scales, zeros, held, shape[1], dtype))
+    empty = torch.ops.optimum_qwen36.int4_linear(
+        torch.empty(2, 0, shape[1], dtype=dtype), packed, scales, zeros, held
+    )
+    assert empty.shape == (2, 0, shape[0]) and empty.dtype == dtype
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -281,13 +349,19 @@ def test_int4_settings_are_checked(tmp_path: Path, tiny_checkpoint) -> None:
         export_eager(gptq, quantization="fp8")
 
 
-def test_int4_twin_equals_dequantized_linear() -> None:
-    torch.manual_seed(0)
-    weight = torch.randn(70, 200)
-    packed, scales, zeros = quantize_int4(weight, 64)
-    x = torch.randn(3, 200)
-    expected = x @ dequantize_int4(packed, scales, zeros, 64, 200, torch.float32).t()
-    torch.testing.assert_close(int4_linear_torch(x, packed, scales, zeros, 64), expected)
+@pytest.mark.slow
+def test_compiled_cpu_backend_matches_transformers(tmp_path: Path) -> None:
+    """The cpu backend (the native kernel inside the AOTInductor graphs: a prefill chunk of 16 rows and the
+    one-row decode, with an activation order's input permutation) matches transformers on a GPTQ
+    desc_act checkpoint; saved and loaded again, it gives the same tokens."""
+    path, reference = write_int4(tmp_path / "gptq", "gptq", group_size=32, act_order=True)
+    settings = dict(backend="cpu", batch_size=1, sequence_length=128, prefill_chunk_size=16, dtype="float32")
+    model = NeuronQwen36ForCausalLM.from_pretrained(path, export=True, use_compile_cache=False, **settings)
+    assert_matches(model, reference, lengths=[37])  # three prefill chunks
+    model.save_pretrained(tmp_path / "saved")
+    loaded = NeuronQwen36ForCausalLM.from_pretrained(tmp_path / "saved")
+    assert set(int4_modules(loaded)) == set(int4_modules(model))
+    assert_matches(loaded, reference, lengths=[21])
 
 
 # ------------------------------------------------------------------------ quantizing at export

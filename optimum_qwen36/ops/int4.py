@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .native import load_native_ops
+
 INT4_BLOCK = 128
 INT4_MAX = 15
 DEFAULT_GROUP_SIZE = 128
@@ -135,4 +137,6 @@ def int4_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """F.linear(x, W) for the 4-bit weight W (no bias: Qwen's linears have none)."""
+    if x.device.type == "cpu" and load_native_ops():
+        return torch.ops.optimum_qwen36.int4_linear(x, packed, scales, zeros, group_size)
     return int4_linear_torch(x, packed, scales, zeros, group_size)
