@@ -35,7 +35,10 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (
     *SOURCES,
-    *(Path(__file__).parent / "csrc" / h for h in ("vec_math.h", "gdn_state.h", "denormals.h", "amx.h", "dequantized_product.h")),
+    *(
+        Path(__file__).parent / "csrc" / h
+        for h in ("vec_math.h", "gdn_state.h", "denormals.h", "amx.h", "dequantized_product.h")
+    ),
 )
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
@@ -172,8 +175,8 @@ def load_native_ops() -> bool:
         SOURCES,
         build_flags(),
         python_module=False,
-        fallback="FP8 and 4-bit linear layers run their PyTorch twins, which compute the same values more slowly, bf16 "
-        "decode steps ATen's F.linear, and attention reads the whole block table under a mask.",
+        fallback="FP8 and 4-bit linear layers run their PyTorch twins, which compute the same values more "
+        "slowly, bf16 decode steps ATen's F.linear, and attention reads the whole block table under a mask.",
     )
     if built:
         _register_fake_kernels()
