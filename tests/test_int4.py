@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import export_eager, left_padded_prompts
+from helpers import edit_config, export_eager, left_padded_prompts, rewrite_tensors
 from int4_checkpoints import write_int4
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.network.int4 import Int4Linear
@@ -275,19 +273,6 @@ def test_exclusions_with_and_without_the_multimodal_prefix(tmp_path: Path) -> No
 # ------------------------------------------------------------------------ bad layouts
 
 
-def rewrite(directory: Path, edit) -> None:
-    with safe_open(directory / "model.safetensors", framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors")
-
-
-def edit_config(directory: Path, edit) -> None:
-    config = json.loads((directory / "config.json").read_text())
-    edit(config)
-    (directory / "config.json").write_text(json.dumps(config))
-
-
 MODULE = "model.layers.1.mlp.down_proj"
 BAD_LAYOUTS = {
     "gptq bits 8": ("gptq", None, lambda c: c["quantization_config"].update(bits=8), "bits=8"),
@@ -327,7 +312,7 @@ def test_bad_int4_layouts_are_refused_clearly(tmp_path: Path, name: str) -> None
     method, edit_tensors, edit_json, message = BAD_LAYOUTS[name]
     path, _ = write_int4(tmp_path / "ckpt", method)
     if edit_tensors:
-        rewrite(path, edit_tensors)
+        rewrite_tensors(path, edit_tensors)
     if edit_json:
         edit_config(path, edit_json)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):

@@ -66,6 +66,29 @@ class ModuleScheme:
     symmetric: bool
 
 
+# A linear's codes [out, in], scales and zeros [out, groups], and each input feature's group (or None).
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class StoredLinear:
+    """One quantized linear as a checkpoint stores it: its tensors by suffix, scheme and shape."""
+
+    module: str
+    tensors: Mapping[str, torch.Tensor]
+    scheme: ModuleScheme
+    out_features: int
+    in_features: int
+
+    @property
+    def fields(self) -> tuple[str, Mapping[str, torch.Tensor], int, int]:
+        return self.module, self.tensors, self.out_features, self.in_features
+
+    @property
+    def groups(self) -> int:
+        return checkpoint_groups(self.scheme.group_size, self.in_features)
+
+
 @dataclass(frozen=True)
 class Int4CheckpointFormat:
     """A checkpoint's validated 4-bit `quantization_config`."""
@@ -111,20 +134,14 @@ class Int4CheckpointFormat:
     ) -> HeldInt4:
         """The module's checkpoint tensors (by suffix) as the kernel holds them; raises
         Int4CheckpointError naming the tensor that is missing or mis-shaped."""
-        scheme = self.module_scheme(module)
-        read = {GPTQ: self._read_gptq, AWQ: self._read_awq}.get(self.method, self._read_compressed)
-        codes, scales, zeros, group_index = read(module, tensors, scheme, out_features, in_features)
-        return hold(module, codes, scales, zeros, group_index, scheme.group_size, in_features)
+        linear = StoredLinear(module, tensors, self.module_scheme(module), out_features, in_features)
+        read = {GPTQ: self._read_gptq, AWQ: _read_awq}.get(self.method, _read_compressed)
+        codes, scales, zeros, group_index = read(linear)
+        return hold(module, codes, scales, zeros, group_index, linear.scheme.group_size, in_features)
 
-    def _read_gptq(
-        self,
-        module: str,
-        tensors: Mapping[str, torch.Tensor],
-        scheme: ModuleScheme,
-        out_features: int,
-        in_features: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        groups = checkpoint_groups(scheme.group_size, in_features)
+    def _read_gptq(self, linear: StoredLinear) -> Codes:
+        module, tensors, out_features, in_features = linear.fields
+        groups = linear.groups
         qweight = _tensor(module, tensors, "qweight", (in_features // 8, out_features), torch.int32)
         qzeros = _tensor(module, tensors, "qzeros", (groups, -(-out_features // 8)), torch.int32)
         scales = _scales(module, tensors, "scales", (groups, out_features))
@@ -138,51 +155,41 @@ class Int4CheckpointFormat:
         zeros = unpack_words(words, 1)[:, :out_features].t()
         return codes, scales.t(), zeros, g_idx
 
-    def _read_awq(
-        self,
-        module: str,
-        tensors: Mapping[str, torch.Tensor],
-        scheme: ModuleScheme,
-        out_features: int,
-        in_features: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        groups = checkpoint_groups(scheme.group_size, in_features)
-        qweight = _tensor(module, tensors, "qweight", (in_features, out_features // 8), torch.int32)
-        qzeros = _tensor(module, tensors, "qzeros", (groups, out_features // 8), torch.int32)
-        scales = _scales(module, tensors, "scales", (groups, out_features))
-        codes = _awq_natural_order(unpack_words(qweight, 1)).t()
-        zeros = _awq_natural_order(unpack_words(qzeros, 1)).t()
-        return codes, scales.t(), zeros, None
 
-    def _read_compressed(
-        self,
-        module: str,
-        tensors: Mapping[str, torch.Tensor],
-        scheme: ModuleScheme,
-        out_features: int,
-        in_features: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        groups = checkpoint_groups(scheme.group_size, in_features)
-        shape = tensors.get("weight_shape")
-        if shape is not None and [int(v) for v in shape.flatten()] != [out_features, in_features]:
-            raise Int4CheckpointError(
-                f"{module}.weight_shape is {shape.tolist()}, but the config implies "
-                f"[{out_features}, {in_features}]."
-            )
-        packed = _tensor(module, tensors, "weight_packed", (out_features, -(-in_features // 8)), torch.int32)
-        scales = _scales(module, tensors, "weight_scale", (out_features, groups))
-        codes = unpack_words(packed, 1)[:, :in_features]
-        if scheme.symmetric:
-            zeros = torch.full((out_features, groups), 8, dtype=torch.uint8)
-        else:
-            zero_point = _tensor(
-                module, tensors, "weight_zero_point", (-(-out_features // 8), groups), torch.int32
-            )
-            zeros = unpack_words(zero_point, 0)[:out_features]
-        g_idx = tensors.get("weight_g_idx")
-        if g_idx is not None:
-            _check_shape(module, "weight_g_idx", g_idx, (in_features,))
-        return codes, scales, zeros, g_idx
+def _read_awq(linear: StoredLinear) -> Codes:
+    module, tensors, out_features, in_features = linear.fields
+    groups = linear.groups
+    qweight = _tensor(module, tensors, "qweight", (in_features, out_features // 8), torch.int32)
+    qzeros = _tensor(module, tensors, "qzeros", (groups, out_features // 8), torch.int32)
+    scales = _scales(module, tensors, "scales", (groups, out_features))
+    codes = _awq_natural_order(unpack_words(qweight, 1)).t()
+    zeros = _awq_natural_order(unpack_words(qzeros, 1)).t()
+    return codes, scales.t(), zeros, None
+
+
+def _read_compressed(linear: StoredLinear) -> Codes:
+    module, tensors, out_features, in_features = linear.fields
+    groups, scheme = linear.groups, linear.scheme
+    shape = tensors.get("weight_shape")
+    if shape is not None and [int(v) for v in shape.flatten()] != [out_features, in_features]:
+        raise Int4CheckpointError(
+            f"{module}.weight_shape is {shape.tolist()}, but the config implies "
+            f"[{out_features}, {in_features}]."
+        )
+    packed = _tensor(module, tensors, "weight_packed", (out_features, -(-in_features // 8)), torch.int32)
+    scales = _scales(module, tensors, "weight_scale", (out_features, groups))
+    codes = unpack_words(packed, 1)[:, :in_features]
+    if scheme.symmetric:
+        zeros = torch.full((out_features, groups), 8, dtype=torch.uint8)
+    else:
+        zero_point = _tensor(
+            module, tensors, "weight_zero_point", (-(-out_features // 8), groups), torch.int32
+        )
+        zeros = unpack_words(zero_point, 0)[:out_features]
+    g_idx = tensors.get("weight_g_idx")
+    if g_idx is not None:
+        _check_shape(module, "weight_g_idx", g_idx, (in_features,))
+    return codes, scales, zeros, g_idx
 
 
 def checkpoint_groups(group_size: int, in_features: int) -> int:

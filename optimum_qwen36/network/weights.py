@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -367,20 +368,26 @@ def _loaded_tensor(
     return tensor.to(dtype)
 
 
-def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool, mtp: bool = False) -> set[str]:
-    """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
-    the safetensors headers only (`mtp`: the MTP layer's too)."""
-    modules = set()
+def checkpoint_entries(checkpoint_dir: str, multimodal: bool, mtp: bool) -> Iterator[tuple[str, str, Any]]:
+    """(model name, checkpoint key, its open safetensors file) for every key the model uses (`mtp`: the MTP
+    layer's too); nothing is read until the caller asks the file."""
     for path in safetensors_files(checkpoint_dir):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
                 name = model_key(key, multimodal, mtp)
-                if name is None:
-                    continue
-                if name.endswith(SCALE_SUFFIX):
-                    modules.add(name.removesuffix(SCALE_SUFFIX))
-                elif name.endswith(".weight") and f.get_slice(key).get_dtype() in FP8_SAFETENSORS_DTYPES:
-                    modules.add(name.removesuffix(".weight"))
+                if name is not None:
+                    yield name, key, f
+
+
+def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool, mtp: bool = False) -> set[str]:
+    """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
+    the safetensors headers only (`mtp`: the MTP layer's too)."""
+    modules = set()
+    for name, key, f in checkpoint_entries(checkpoint_dir, multimodal, mtp):
+        if name.endswith(SCALE_SUFFIX):
+            modules.add(name.removesuffix(SCALE_SUFFIX))
+        elif name.endswith(".weight") and f.get_slice(key).get_dtype() in FP8_SAFETENSORS_DTYPES:
+            modules.add(name.removesuffix(".weight"))
     return modules
 
 
@@ -504,17 +511,12 @@ def stored_int4_modules(
     packed, index_suffix = checkpoint_format.packed_suffix, checkpoint_format.tensor_suffixes[-1]
     found: dict[str, int] = {}
     group_indices: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(checkpoint_dir):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118
-                name = model_key(key, multimodal, mtp)
-                if name is None:
-                    continue
-                module, _, suffix = name.rpartition(".")
-                if suffix == packed:
-                    found[module] = checkpoint_format.module_scheme(module).group_size
-                elif suffix == index_suffix and index_suffix.endswith("g_idx"):
-                    group_indices[module] = f.get_tensor(key)
+    for name, key, f in checkpoint_entries(checkpoint_dir, multimodal, mtp):
+        module, _, suffix = name.rpartition(".")
+        if suffix == packed:
+            found[module] = checkpoint_format.module_scheme(module).group_size
+        elif suffix == index_suffix and index_suffix.endswith("g_idx"):
+            group_indices[module] = f.get_tensor(key)
     modules = {}
     for module, group_size in found.items():
         index = group_indices.get(module)
