@@ -327,6 +327,8 @@ def test_int4_settings_are_checked(tmp_path: Path, tiny_checkpoint) -> None:
         export_eager(path, quantization="int4", int4_group_size=48)
     with pytest.raises(ValueError, match="neuron backend"):
         NeuronQwen36ForCausalLM.get_neuron_config(path, backend="neuron", quantization="int4")
+    with pytest.raises(ValueError, match="tensor parallelism"):  # before any worker starts
+        export_eager(path, quantization="int4", tp_degree=2)
     gptq, _ = write_int4(tmp_path / "gptq", "gptq")
     with pytest.raises(ValueError, match="already quantized to 4 bits"):
         export_eager(gptq, int4_group_size=64)
