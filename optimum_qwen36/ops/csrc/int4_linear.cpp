@@ -24,6 +24,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "dequantized_product.h"
 
@@ -96,6 +98,9 @@ struct Weights {
   const void* scales;
   const uint8_t* zeros;
   int64_t M, Kp, groups, group_size;
+  // Per 32-feature chunk: its group, and whether it is the group's last (no division in the loops).
+  const int64_t* chunk_group;
+  const bool* chunk_ends_group;
 };
 
 // float32 path: out[r][m] for `rows` rows of x (float32 [rows, Kp], zero-padded): per group
@@ -110,10 +115,10 @@ void row_float(const Weights& w, int64_t m, const float* x, int rows, float* out
   for (int64_t k0 = 0; k0 < w.Kp; k0 += kBlock) {
     block_codes(w_row + k0 / 2, codes);
     for (int64_t c = 0; c < kBlock; c += 32) {
-      const int64_t k = k0 + c, g = k / w.group_size;
+      const int64_t k = k0 + c, chunk = k / 32, g = w.chunk_group[chunk];
       const float zero = float(z_row[g]);
       for (int r = 0; r < rows; ++r) group_dot[r] += dot32(codes + c, zero, x + r * w.Kp + k);
-      if ((k + 32) % w.group_size == 0 || k + 32 == w.Kp) {
+      if (w.chunk_ends_group[chunk]) {
         const float scale = to_float(s_row[g]);
         for (int r = 0; r < rows; ++r) {
           total[r] += scale * group_dot[r];
@@ -129,21 +134,21 @@ void row_float(const Weights& w, int64_t m, const float* x, int rows, float* out
 using bf16 = c10::BFloat16;
 
 // bf16 path: out[r][m] for G rows of x (bf16 [G, Kp], zero-padded; xsum [G, groups]). Groups of 32 or 64
-// features take one or two of a block's four vectors; larger ones whole blocks. One chain of dot products per
-// x row and group, whatever G.
+// features take one or two of a block's four vectors; larger ones whole blocks. Two chains of dot products
+// per x row and group (a block's first and second halves: the dot product's latency, not the loads, would
+// bound a single chain), summed at the group's end, the same whatever G.
 template <typename S, int G>
 void row_bf16(const Weights& w, int64_t m, const bf16* x, const float* xsum, float* out, int64_t out_stride) {
   const uint8_t* w_row = w.packed + m * (w.Kp / 2);
   const S* s_row = static_cast<const S*>(w.scales) + m * w.groups;
   const uint8_t* z_row = w.zeros + m * w.groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F), offset = _mm512_set1_epi8(0x43);
-  __m512 total[G], chain[G];
+  __m512 total[G], chain[2][G];
   float correction[G];
   for (int r = 0; r < G; ++r) {
-    total[r] = chain[r] = _mm512_setzero_ps();
+    total[r] = chain[0][r] = chain[1][r] = _mm512_setzero_ps();
     correction[r] = 0;
   }
-  const int64_t chunks_per_group = std::min<int64_t>(w.group_size / 32, 4);
   for (int64_t k0 = 0; k0 < w.Kp; k0 += kBlock) {
     _mm_prefetch(reinterpret_cast<const char*>(w_row + k0 / 2) + kPrefetchBytes, _MM_HINT_T1);
     const __m512i bytes = _mm512_loadu_si512(w_row + k0 / 2);
@@ -151,20 +156,19 @@ void row_bf16(const Weights& w, int64_t m, const bf16* x, const float* xsum, flo
     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
     const __m512bh vectors[4] = {(__m512bh)_mm512_unpacklo_epi8(low, offset), (__m512bh)_mm512_unpackhi_epi8(low, offset),
                                  (__m512bh)_mm512_unpacklo_epi8(high, offset), (__m512bh)_mm512_unpackhi_epi8(high, offset)};
-    for (int64_t c = 0; c < 4; ++c) {
+    for (int c = 0; c < 4; ++c) {
       const int64_t k = k0 + 32 * c;
+      __m512* half = chain[c / 2];
       for (int r = 0; r < G; ++r)
-        chain[r] = _mm512_dpbf16_ps(chain[r], vectors[c], (__m512bh)_mm512_loadu_si512(x + r * w.Kp + k));
-      const bool group_end = chunks_per_group < 4 ? (c + 1) % chunks_per_group == 0
-                                                  : (k + 32) % w.group_size == 0 || k + 32 == w.Kp;
-      if (group_end) {
-        const int64_t g = k / w.group_size;
+        half[r] = _mm512_dpbf16_ps(half[r], vectors[c], (__m512bh)_mm512_loadu_si512(x + r * w.Kp + k));
+      if (w.chunk_ends_group[k / 32]) {
+        const int64_t g = w.chunk_group[k / 32];
         const float scale = to_float(s_row[g]);
         const float shifted = scale * (float(z_row[g]) + 128.0f);
         const __m512 scale_v = _mm512_set1_ps(scale);
         for (int r = 0; r < G; ++r) {
-          total[r] = _mm512_fmadd_ps(chain[r], scale_v, total[r]);
-          chain[r] = _mm512_setzero_ps();
+          total[r] = _mm512_fmadd_ps(_mm512_add_ps(chain[0][r], chain[1][r]), scale_v, total[r]);
+          chain[0][r] = chain[1][r] = _mm512_setzero_ps();
           correction[r] += shifted * xsum[r * w.groups + g];
         }
       }
@@ -243,7 +247,7 @@ void dequantize_rows(const Weights& w, int64_t m0, int64_t m1, int64_t K, at::Te
         block_codes(w_row + k0 / 2, codes);
         const int64_t n = std::min(kBlock, K - k0);
         for (int64_t c = 0; c < n; c += 32) {
-          const int64_t g = (k0 + c) / w.group_size;
+          const int64_t g = w.chunk_group[(k0 + c) / 32];
           const float scale = to_float(s_row[g]), zero = float(z_row[g]);
           const int64_t count = std::min<int64_t>(32, n - c);
           float* values = codes + c;
@@ -318,7 +322,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               zeros.sizes());
   TORCH_CHECK(zeros.scalar_type() == at::kByte, "int4_linear: zeros must be uint8");
   const at::Tensor p = packed.contiguous(), s = scales.contiguous(), z = zeros.contiguous();
-  const Weights w{p.data_ptr<uint8_t>(), s.data_ptr(), z.data_ptr<uint8_t>(), M, Kp, groups, group_size};
+  std::vector<int64_t> chunk_group(Kp / 32);
+  std::unique_ptr<bool[]> chunk_ends_group(new bool[Kp / 32]);
+  for (int64_t chunk = 0; chunk < Kp / 32; ++chunk) {
+    chunk_group[chunk] = chunk * 32 / group_size;
+    chunk_ends_group[chunk] = (chunk + 1) * 32 % group_size == 0 || (chunk + 1) * 32 == Kp;
+  }
+  const Weights w{p.data_ptr<uint8_t>(), s.data_ptr(), z.data_ptr<uint8_t>(), M, Kp, groups, group_size,
+                  chunk_group.data(), chunk_ends_group.get()};
   const at::Tensor xc = x.contiguous();
   auto out_shape = x.sizes().vec();
   out_shape.back() = M;
