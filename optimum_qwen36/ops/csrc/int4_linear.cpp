@@ -42,6 +42,9 @@
 namespace {
 
 constexpr int64_t kStreamRows = 8;  // decode batches up to this size stream the weight once
+// bf16 path: x rows sharing one pass over a weight row (the next rows take another pass, over the row then in
+// cache): more would not keep their chains and totals in the 32 vector registers.
+constexpr int kPassRows = 4;
 constexpr int64_t kBlock = 128;     // features per packed block
 constexpr int64_t kBlockBytes = 64;
 // How far ahead of the loads the streaming paths prefetch the weight (into L2).
@@ -138,7 +141,8 @@ using bf16 = c10::BFloat16;
 // per x row and group (a block's first and second halves: the dot product's latency, not the loads, would
 // bound a single chain), summed at the group's end, the same whatever G.
 template <typename S, int G>
-void row_bf16(const Weights& w, int64_t m, const bf16* x, const float* xsum, float* out, int64_t out_stride) {
+void row_bf16(const Weights& w, int64_t m, const bf16* x, int64_t chunk_stride, const float* xsum, float* out,
+              int64_t out_stride) {
   const uint8_t* w_row = w.packed + m * (w.Kp / 2);
   const S* s_row = static_cast<const S*>(w.scales) + m * w.groups;
   const uint8_t* z_row = w.zeros + m * w.groups;
@@ -156,16 +160,20 @@ void row_bf16(const Weights& w, int64_t m, const bf16* x, const float* xsum, flo
     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
     const __m512bh vectors[4] = {(__m512bh)_mm512_unpacklo_epi8(low, offset), (__m512bh)_mm512_unpackhi_epi8(low, offset),
                                  (__m512bh)_mm512_unpacklo_epi8(high, offset), (__m512bh)_mm512_unpackhi_epi8(high, offset)};
+    // Unrolled, so that every chain index is a constant and the chains stay in registers.
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const int64_t k = k0 + 32 * c;
-      __m512* half = chain[c / 2];
+#pragma GCC unroll 8
       for (int r = 0; r < G; ++r)
-        half[r] = _mm512_dpbf16_ps(half[r], vectors[c], (__m512bh)_mm512_loadu_si512(x + r * w.Kp + k));
+        chain[c / 2][r] = _mm512_dpbf16_ps(chain[c / 2][r], vectors[c],
+                                           (__m512bh)_mm512_loadu_si512(x + (k / 32) * chunk_stride + 32 * r));
       if (w.chunk_ends_group[k / 32]) {
         const int64_t g = w.chunk_group[k / 32];
         const float scale = to_float(s_row[g]);
         const float shifted = scale * (float(z_row[g]) + 128.0f);
         const __m512 scale_v = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
         for (int r = 0; r < G; ++r) {
           total[r] = _mm512_fmadd_ps(_mm512_add_ps(chain[0][r], chain[1][r]), scale_v, total[r]);
           chain[0][r] = chain[1][r] = _mm512_setzero_ps();
@@ -178,16 +186,18 @@ void row_bf16(const Weights& w, int64_t m, const bf16* x, const float* xsum, flo
 }
 
 template <typename S, int G>
-void row_bf16_rows(const Weights& w, int64_t m, const bf16* x, const float* xsum, int rows, float* out,
-                   int64_t out_stride) {
+void row_bf16_rows(const Weights& w, int64_t m, const bf16* x, int64_t chunk_stride, const float* xsum, int rows,
+                   float* out, int64_t out_stride) {
   if constexpr (G > 1) {
-    if (rows < G) return row_bf16_rows<S, G - 1>(w, m, x, xsum, rows, out, out_stride);
+    if (rows < G) return row_bf16_rows<S, G - 1>(w, m, x, chunk_stride, xsum, rows, out, out_stride);
   }
-  row_bf16<S, G>(w, m, x, xsum, out, out_stride);
+  row_bf16<S, G>(w, m, x, chunk_stride, xsum, out, out_stride);
 }
 #endif
 
-// x [N, K] as the bf16 streaming path reads it: zero-padded to Kp; and each row's sum over each group.
+// x [N, K] as the bf16 streaming path reads it: zero-padded to Kp, chunk-major ([Kp / 32, N, 32]: the rows'
+// 32 features of a chunk side by side, so that a pass over a weight row reads x in order, which the caches
+// prefetch, however many rows); and each row's sum over each group.
 at::Tensor padded_rows(const at::Tensor& x, int64_t N, int64_t K, int64_t Kp, at::ScalarType dtype) {
   at::Tensor padded = at::zeros({N, Kp}, x.options().dtype(dtype));
   padded.narrow(1, 0, K).copy_(x.reshape({N, K}));
@@ -206,7 +216,8 @@ std::pair<at::Tensor, at::Tensor> padded_rows_and_sums(const at::Tensor& x, int6
       for (int64_t k = g * w.group_size; k < std::min(w.Kp, (g + 1) * w.group_size); ++k) total += xf[r * w.Kp + k];
       s[r * w.groups + g] = total;
     }
-  return {padded, sums};
+  const at::Tensor chunk_major = padded.view({N, w.Kp / 32, 32}).transpose(0, 1).contiguous();
+  return {chunk_major, sums};
 }
 
 template <typename S>
@@ -218,7 +229,10 @@ void stream(const Weights& w, const at::Tensor& x, int64_t N, int64_t K, at::Ten
     const bf16* xp = reinterpret_cast<const bf16*>(padded.data_ptr());
     const float* xs = sums.data_ptr<float>();
     at::parallel_for(0, w.M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) row_bf16_rows<S, kStreamRows>(w, m, xp, xs, int(N), out + m, w.M);
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t r0 = 0; r0 < N; r0 += kPassRows)
+          row_bf16_rows<S, kPassRows>(w, m, xp + 32 * r0, 32 * N, xs + r0 * w.groups,
+                                      int(std::min<int64_t>(kPassRows, N - r0)), out + r0 * w.M + m, w.M);
     });
     return;
   }
