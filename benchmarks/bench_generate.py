@@ -11,8 +11,9 @@ Measures, in one run:
   no EOS, on both sides; a streamer timestamps every new token, and the rate is rows x decode_steps over the
   time from the first new token (after prefill) to the last, so prefill time does not enter it;
 - the device's read bandwidth and the batch-1 decode roofline (bytes of weights read per token / bandwidth);
-- with `--fp8 mlp linear`: the same model with those linear layers quantized to FP8 at export (same compute
-  dtype), each with its weight bytes and the resident memory its load added, measured in the same rounds;
+- with `--fp8 mlp linear` / `--int4 mlp linear` (`--int4-group-size`): the same model with those linear
+  layers quantized to FP8 / 4 bits at export (same compute dtype), each with its weight bytes and the
+  resident memory its load added, measured in the same rounds (each over every peer, per round);
 - with `--llama-bench BIN --gguf q8_0=FILE ...` (or $LLAMA_BENCH): llama.cpp's `llama-bench` on GGUF files
   of the same checkpoint, same threads: its batch-1 decode of --decode-steps tokens alternated round by round
   with ours (one `llama-bench -r 1` per round; the table adds the per-round ratio), its prefill at the same
@@ -77,7 +78,7 @@ from timing import (
 from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
-from optimum_qwen36.network.neuron_config import FP8_MODULE_SETS
+from optimum_qwen36.network.neuron_config import MODULE_SETS
 from optimum_qwen36.ops import huge_pages
 from optimum_qwen36.tokenizer import save_qwen36_tokenizer
 
@@ -199,7 +200,7 @@ class CompileLog(logging.Handler):
 
 
 def export(
-    checkpoint: str, args: argparse.Namespace, cache_dir: Path | None, **quantization: str
+    checkpoint: str, args: argparse.Namespace, cache_dir: Path | None, **quantization: str | int
 ) -> tuple[object, float, dict]:
     """One `from_pretrained(export=True)`: (model, seconds, what the compile log says)."""
     log = CompileLog()
@@ -270,17 +271,28 @@ def resident_bytes() -> int:
         return 0
 
 
-def export_fp8_variants(
+def quantized_variants(args: argparse.Namespace) -> dict[str, dict]:
+    """The export settings of each --fp8 and --int4 set of linear layers, by variant name."""
+    variants = {
+        f"optimum-qwen36 {args.backend} fp8 {modules}": dict(quantization="fp8", fp8_modules=modules)
+        for modules in args.fp8
+    }
+    for modules in args.int4:
+        settings = dict(quantization="int4", int4_modules=modules, int4_group_size=args.int4_group_size)
+        variants[f"optimum-qwen36 {args.backend} int4 {modules} g{args.int4_group_size}"] = settings
+    return variants
+
+
+def export_quantized_variants(
     checkpoint: str, args: argparse.Namespace, cache_dir: Path | None
 ) -> tuple[dict[str, object], dict]:
-    """The model with each --fp8 set of linear layers quantized at export: (models by name, per-variant
-    export seconds and the resident memory its load added)."""
+    """The model with each --fp8 / --int4 set of linear layers quantized at export: (models by name,
+    per-variant export seconds and the resident memory its load added)."""
     models, report = {}, {}
-    for fp8_modules in args.fp8:
+    for name, settings in quantized_variants(args).items():
         before = resident_bytes()
-        model, seconds, log = export(checkpoint, args, cache_dir, quantization="fp8", fp8_modules=fp8_modules)
+        model, seconds, log = export(checkpoint, args, cache_dir, **settings)
         model.generation_config.eos_token_id = None
-        name = f"optimum-qwen36 {args.backend} fp8 {fp8_modules}"
         models[name] = model
         report[name] = {
             "export_s": seconds,
@@ -350,7 +362,7 @@ def run_benchmarks(
     results: dict = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in sides}
     main, *variants = systems
     pairs = [(name, THEIRS) for name in systems] + [(name, main) for name in variants]
-    pairs += [(main, peer) for peer in peers]
+    pairs += [(name, peer) for name in systems for peer in peers]
     speedup: dict = {}
     work = []
     for length in args.prompt_lengths:
@@ -593,9 +605,17 @@ def main() -> None:
         "--fp8",
         nargs="*",
         default=[],
-        choices=FP8_MODULE_SETS,
+        choices=MODULE_SETS,
         help="FP8 variants to run beside (fp8_modules)",
     )
+    parser.add_argument(
+        "--int4",
+        nargs="*",
+        default=[],
+        choices=MODULE_SETS,
+        help="4-bit variants to run beside (int4_modules), quantized at export",
+    )
+    parser.add_argument("--int4-group-size", type=int, default=128, help="int4_group_size of --int4 (128)")
     parser.add_argument(
         "--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama.cpp's llama-bench ($LLAMA_BENCH)"
     )
@@ -631,8 +651,8 @@ def main() -> None:
         phases["export_s"] = time.perf_counter() - phase
         ours.generation_config.eos_token_id = None  # random weights: never stop early
         systems = {f"optimum-qwen36 {args.backend}": ours}
-        fp8_models, fp8_report = export_fp8_variants(checkpoint, args, cache_dir)
-        systems.update(fp8_models)
+        quantized_models, quantized_report = export_quantized_variants(checkpoint, args, cache_dir)
+        systems.update(quantized_models)
         device = ours.backend.device
         bandwidth = read_bandwidth_gbs(device, args.repeats)
         per_token = {name: weight_bytes_per_token(model.model) for name, model in systems.items()}
@@ -717,7 +737,7 @@ def main() -> None:
             name: {k: v * 1e9 / size for k, v in bandwidth.items() if k != "runs"}
             for name, size in per_token.items()
         },
-        "fp8_variants": fp8_report,
+        "quantized_variants": quantized_report,
         "results": results,
         "speedup": speedup,
         "peer_ratios": peer_ratios(results, f"optimum-qwen36 {args.backend}"),

@@ -13,7 +13,8 @@ the weights (as in the exported step graphs); --repeats runs after a warm-up, th
 run (same machine load), kept with min / median / max (the median is the headline figure). `--rows`: one
 row (batch-1 decode), and 8 rows by default, which the one-row form reads once per row. `--fp8`: instead,
 `bf16_linear` on the bf16 weights against `fp8_linear` on their FP8 copies (what `quantization="fp8"` with
-`fp8_modules="linear"` reads: Qwen's releases keep the output projection in bf16). `--huge-pages`: instead,
+`fp8_modules="linear"` reads: Qwen's releases keep the output projection in bf16); `--int4`: the same against
+`int4_linear` on 4-bit copies in groups of 128 (what `quantization="int4"` reads). `--huge-pages`: instead,
 `bf16_linear` on the weights as torch allocates them (4 KB pages, unless the OS's transparent huge pages are
 `always`) against the same weights moved into huge pages (`ops.huge_pages.move_to_huge_pages`, as the cpu
 backend places a model's weights).
@@ -25,6 +26,8 @@ backend places a model's weights).
         --skip-output-projection --output benchmarks/results/bench_matvec_27b.json
     python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 4 8 --fp8 \
         --skip-output-projection --output benchmarks/results/bench_matvec_27b_fp8.json
+    python benchmarks/bench_matvec.py --shapes qwen3.6-27b --layers 4 --rows 1 2 4 8 --int4 \
+        --skip-output-projection --output benchmarks/results/bench_matvec_27b_int4.json
     python benchmarks/bench_matvec.py --huge-pages --rows 1 2 8 \
         --output benchmarks/results/bench_matvec_huge_pages.json
 
@@ -34,7 +37,9 @@ Writes benchmarks/results/bench_matvec.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +49,7 @@ from timing import alternate, command_line, fmt, machine, paired_ratios, rates, 
 from optimum_qwen36.exporters.matvec import matrix_vector_linear, weight_major_linear
 from optimum_qwen36.ops.fp8 import DEFAULT_BLOCK_SIZE, fp8_linear, quantize_fp8
 from optimum_qwen36.ops.huge_pages import THP_SETTING, move_to_huge_pages, transparent_huge_pages
+from optimum_qwen36.ops.int4 import DEFAULT_GROUP_SIZE, int4_linear, quantize_int4
 from optimum_qwen36.ops.native import bf16_linear_vectorized
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,27 +95,38 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.optimum_qwen36.bf16_linear(x, weight, None)
 
 
-def fp8_rates(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
-    """`bf16_linear` on bf16 `weights` against `fp8_linear` on their block-scaled e4m3 copies (128 x 128
-    blocks, as Qwen's FP8 releases and `quantization="fp8"`): GB/s of the bytes each reads (fp8 weights and
-    their scales), and the time ratio per round (`bf16_linear_over_fp8_linear`: the decode speed-up of FP8
-    weights where the projections are the step)."""
-    quantized = [quantize_fp8(w) for w in weights]
+def fp8_copy(weight: torch.Tensor) -> tuple[Callable, tuple[torch.Tensor, ...]]:
+    """A block-scaled e4m3 copy (128 x 128 blocks, as Qwen's FP8 releases and `quantization="fp8"`) and the
+    kernel that reads it."""
+    return (lambda x, q, s: fp8_linear(x, q, s, DEFAULT_BLOCK_SIZE)), quantize_fp8(weight)
+
+
+def int4_copy(weight: torch.Tensor) -> tuple[Callable, tuple[torch.Tensor, ...]]:
+    """A 4-bit copy (groups of 128, as `quantization="int4"`) and the kernel that reads it."""
+    return (lambda x, *held: int4_linear(x, *held, DEFAULT_GROUP_SIZE)), quantize_int4(
+        weight, DEFAULT_GROUP_SIZE
+    )
+
+
+QUANTIZED_COPIES = {"fp8_linear": fp8_copy, "int4_linear": int4_copy}
+
+
+def quantized_rates(kernel: str, weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+    """`bf16_linear` on bf16 `weights` against `kernel` (fp8_linear, int4_linear) on their quantized copies:
+    GB/s of the bytes each reads (quantized weights with their scales and zero points), and the time ratio
+    per round (`bf16_linear_over_<kernel>`: the decode speed-up where the projections are the step)."""
+    copies = [QUANTIZED_COPIES[kernel](w) for w in weights]
     inputs = [torch.randn(rows, 1, w.shape[1]).to(w.dtype) for w in weights]
     measures = {
         "bf16_linear": wall(lambda: [native_linear(x, w) for x, w in zip(inputs, weights, strict=True)]),
-        "fp8_linear": wall(
-            lambda: [
-                fp8_linear(x, q, s, DEFAULT_BLOCK_SIZE) for x, (q, s) in zip(inputs, quantized, strict=True)
-            ]
-        ),
+        kernel: wall(lambda: [linear(x, *held) for x, (linear, held) in zip(inputs, copies, strict=True)]),
     }
     runs = alternate(measures, repeats)
-    fp8_bytes = sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s in quantized)
+    quantized_bytes = sum(t.numel() * t.element_size() for _, held in copies for t in held)
     return {
         "bf16_linear": rates(sum(w.numel() * w.element_size() for w in weights) / 1e9, runs["bf16_linear"]),
-        "fp8_linear": rates(fp8_bytes / 1e9, runs["fp8_linear"]),
-        "bf16_linear_over_fp8_linear": paired_ratios(runs["bf16_linear"], runs["fp8_linear"]),
+        kernel: rates(quantized_bytes / 1e9, runs[kernel]),
+        f"bf16_linear_over_{kernel}": paired_ratios(runs["bf16_linear"], runs[kernel]),
     }
 
 
@@ -173,6 +190,9 @@ def main() -> None:
         "--fp8", action="store_true", help="bf16_linear against fp8_linear on FP8 copies (bf16 only)"
     )
     parser.add_argument(
+        "--int4", action="store_true", help="bf16_linear against int4_linear on 4-bit copies (bf16 only)"
+    )
+    parser.add_argument(
         "--huge-pages",
         action="store_true",
         help="bf16_linear on weights in 4 KB pages against the same in transparent huge pages (bf16 only)",
@@ -183,16 +203,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (the JSON reports min / median / max)")
-    if args.fp8 and (args.dtype != "bfloat16" or not bf16_linear_vectorized()):
+    quantized = "fp8_linear" if args.fp8 else "int4_linear" if args.int4 else None
+    if quantized and (args.dtype != "bfloat16" or not bf16_linear_vectorized()):
         parser.error(
-            "--fp8 compares the bf16 and fp8 kernels: it needs --dtype bfloat16 and bf16_linear's vector path"
+            "--fp8 / --int4 compare the bf16 and quantized kernels: they need --dtype bfloat16 and "
+            "bf16_linear's vector path"
         )
     if args.huge_pages and (args.dtype != "bfloat16" or not bf16_linear_vectorized()):
         parser.error("--huge-pages times bf16_linear: it needs --dtype bfloat16 and its vector path")
     if args.huge_pages and not transparent_huge_pages():
         parser.error(f"--huge-pages: this OS gives no transparent huge pages ({THP_SETTING})")
-    if args.fp8 and args.huge_pages:
-        parser.error("--fp8 and --huge-pages are separate comparisons: pass one")
+    if sum((args.fp8, args.int4, args.huge_pages)) > 1:
+        parser.error("--fp8, --int4 and --huge-pages are separate comparisons: pass one")
     if args.layers < 4 or args.layers % 4:
         parser.error("--layers must be a positive multiple of 4 (3 GDN layers per attention layer)")
     dtype = getattr(torch, args.dtype)
@@ -219,7 +241,9 @@ def main() -> None:
     for label, weights in sets:
         report["weight_bytes"][label] = sum(w.numel() * w.element_size() for w in weights)
         for rows in args.rows:
-            rates_of = fp8_rates if args.fp8 else huge_page_rates if args.huge_pages else streaming_rates
+            rates_of = huge_page_rates if args.huge_pages else streaming_rates
+            if quantized:
+                rates_of = functools.partial(quantized_rates, quantized)
             result = rates_of(weights, rows, args.repeats)
             report["gb_per_s"][f"{label}, {rows} row(s)"] = result
             print(

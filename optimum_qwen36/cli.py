@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .network.neuron_config import (
-    FP8_MODULE_SETS,
+    MODULE_SETS,
     NEURON_CONFIG_NAME,
     SUPPORTED_BACKENDS,
     SUPPORTED_DTYPES,
@@ -62,13 +62,27 @@ def _add_export_settings(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=SUPPORTED_QUANTIZATIONS,
         default=None,
-        help="quantize the weights at export (default: as the checkpoint; an FP8 checkpoint stays FP8)",
+        help="quantize the weights at export (default: as the checkpoint; FP8 and 4-bit checkpoints stay so)",
     )
     parser.add_argument(
         "--fp8-modules",
-        choices=FP8_MODULE_SETS,
+        choices=MODULE_SETS,
         default=None,
         help="with --quantization fp8: the MLP linears only, or every attention / GDN / MLP linear (default)",
+    )
+    parser.add_argument(
+        "--int4-modules",
+        choices=MODULE_SETS,
+        default=None,
+        help="with --quantization int4: the MLP linears only, or every attention / GDN / MLP linear "
+        "(default)",
+    )
+    parser.add_argument(
+        "--int4-group-size",
+        type=int,
+        default=None,
+        help="with --quantization int4: input features per scale and zero point: 32, 64, 128 (default), "
+        "a multiple of 128, or -1 (per output channel)",
     )
     parser.add_argument("--kv-block-size", type=int, default=64, help="attention KV block size (default 64)")
     parser.add_argument(
@@ -108,6 +122,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         kv_block_size=args.kv_block_size,
         quantization=args.quantization,
         fp8_modules=args.fp8_modules,
+        int4_modules=args.int4_modules,
+        int4_group_size=args.int4_group_size,
         num_speculative_tokens=args.num_speculative_tokens,
         tp_degree=args.tp_degree,
     )

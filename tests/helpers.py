@@ -4,6 +4,7 @@ vision-language checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable
@@ -43,6 +44,24 @@ def left_padded_prompts(
         input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
+
+
+def rewrite_tensors(directory: Path, edit: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+    """Apply `edit` to the tensors of a one-file checkpoint (model.safetensors) and save them back."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def edit_config(directory: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply `edit` to a checkpoint's config.json."""
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 def export_eager(checkpoint: Path, **settings: Any) -> NeuronQwen36ForCausalLM:

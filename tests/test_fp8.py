@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_checkpoints import BLOCK, dequantize_blocks, write_official_fp8
-from helpers import engine_storage, export_eager, left_padded_prompts
+from helpers import edit_config, engine_storage, export_eager, left_padded_prompts, rewrite_tensors
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.exporters.compile_cache import compile_key
-from optimum_qwen36.network.quantization import Fp8Linear, fp8_module_names
+from optimum_qwen36.network.quantization import Fp8Linear, linear_module_names
 from optimum_qwen36.network.weights import CheckpointError
 from optimum_qwen36.ops.fp8 import (
     DEFAULT_BLOCK_SIZE,
@@ -196,7 +195,7 @@ def test_official_layout_matches_transformers_on_dequantized_weights(official) -
     path, reference = official
     model = export_eager(path)
     assert (model.neuron_config.quantization, model.neuron_config.fp8_modules) == ("fp8", "linear")
-    assert fp8_modules(model) == set(fp8_module_names(model.config, "linear"))
+    assert fp8_modules(model) == set(linear_module_names(model.config, "linear"))
     linear = model.model.model.layers[0].linear_attn
     assert isinstance(linear.in_proj_a, torch.nn.Linear) and linear.in_proj_a.weight.dtype == torch.float32
     assert linear.in_proj_qkv.weight.dtype == torch.float8_e4m3fn
@@ -297,19 +296,6 @@ def test_fp8_modules_change_the_compile_key(tiny_checkpoint) -> None:
 # ------------------------------------------------------------------------ bad layouts
 
 
-def rewrite(directory: Path, edit) -> None:
-    with safe_open(directory / "model.safetensors", framework="pt") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors")
-
-
-def edit_config(directory: Path, edit) -> None:
-    config = json.loads((directory / "config.json").read_text())
-    edit(config)
-    (directory / "config.json").write_text(json.dumps(config))
-
-
 SCALE = "model.language_model.layers.1.mlp.down_proj.weight_scale_inv"
 BAD_LAYOUTS = {
     "missing scale": (lambda t: t.pop(SCALE), None, "without their scales"),
@@ -347,7 +333,7 @@ def test_bad_fp8_layouts_are_refused_clearly(tmp_path: Path, name: str) -> None:
     path, _ = write_official_fp8(tmp_path / "ckpt")
     edit_tensors, edit_json, message = BAD_LAYOUTS[name]
     if edit_tensors:
-        rewrite(path, edit_tensors)
+        rewrite_tensors(path, edit_tensors)
     if edit_json:
         edit_config(path, edit_json)
     with pytest.raises((CheckpointError, ValueError), match=message):
@@ -366,6 +352,6 @@ def test_fp8_settings_are_checked(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="needs quantization='fp8'"):
         export_eager(path, fp8_modules="mlp")
     with pytest.raises(ValueError, match="Unknown quantization"):
-        export_eager(path, quantization="int4")
+        export_eager(path, quantization="int2")
     with pytest.raises(ValueError, match="not an FP8 checkpoint"):
         export_eager(path, quantization="fp8", fp8_modules="checkpoint")

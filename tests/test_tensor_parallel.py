@@ -31,7 +31,7 @@ from optimum_qwen36.distributed.group import TensorParallelWorkerError
 from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.exporters.artifact import MANIFEST_NAME
 from optimum_qwen36.network.model import Qwen36ForCausalLM
-from optimum_qwen36.network.quantization import Fp8Quantization, fp8_module_names
+from optimum_qwen36.network.quantization import Fp8Quantization, linear_module_names
 from optimum_qwen36.network.sharding import (
     TensorParallelError,
     check_tp_degree,
@@ -42,7 +42,7 @@ from optimum_qwen36.network.sharding import (
     unshard_tensor,
     valid_degrees,
 )
-from optimum_qwen36.network.weights import check_fp8_sharding
+from optimum_qwen36.network.weights import check_quantized_sharding
 from optimum_qwen36.ops.fp8 import dequantize_fp8, quantize_fp8
 
 AWKWARD = dict(num_key_value_heads=1, linear_num_value_heads=6)
@@ -153,7 +153,7 @@ def test_fp8_scales_split_and_join_with_their_weights() -> None:
     to a slice; the scales join back; a split through a block is refused, naming the degrees that work."""
     config = tiny_text_config(**AWKWARD)
     model = Qwen36ForCausalLM(config)
-    for module in fp8_module_names(config, "linear"):
+    for module in linear_module_names(config, "linear"):
         name = f"{module}.weight"
         weight = torch.randn(model.get_submodule(module).weight.shape, generator=torch.Generator())
         q, scale = quantize_fp8(weight, FP8_BLOCK)
@@ -165,16 +165,17 @@ def test_fp8_scales_split_and_join_with_their_weights() -> None:
             local = dequantize_fp8(local_q, scales[-1], FP8_BLOCK, torch.float32)
             assert torch.equal(local, shard_tensor(config, name, whole, rank, 2)), name
         assert torch.equal(unshard_scale(config, name, scales, tuple(q.shape), FP8_BLOCK), scale), name
-    fp8 = Fp8Quantization(tuple(fp8_module_names(config, "linear")), block_size=(32, 32), prequantized=True)
-    check_fp8_sharding(config, fp8, 1)
+    names = tuple(linear_module_names(config, "linear"))
+    fp8 = Fp8Quantization(names, block_size=(32, 32), prequantized=True)
+    check_quantized_sharding(config, fp8, 1)
     # The 96 value rows of in_proj_qkv split 48 a rank: a local block of 32 would cross two of the whole's.
     pattern = r"scale blocks of model\.layers\.0\.linear_attn\.in_proj_qkv: its 160 rows .* among \[1\]"
     with pytest.raises(TensorParallelError, match=pattern):
-        check_fp8_sharding(config, fp8, 2)
+        check_quantized_sharding(config, fp8, 2)
     qwen36_27b = qwen36_27b_shapes()
-    blocks = Fp8Quantization(tuple(fp8_module_names(qwen36_27b, "linear")), prequantized=True)  # 128 x 128
+    blocks = Fp8Quantization(tuple(linear_module_names(qwen36_27b, "linear")), prequantized=True)  # 128 x 128
     for degree in (1, 2, 4, 8):
-        check_fp8_sharding(qwen36_27b, blocks, degree)
+        check_quantized_sharding(qwen36_27b, blocks, degree)
 
 
 @pytest.fixture(scope="module")

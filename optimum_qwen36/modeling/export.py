@@ -25,17 +25,19 @@ from ..exporters import artifact
 from ..exporters.compile_cache import CompileCache, make_compile_cache
 from ..exporters.factory import create_backend, default_backend
 from ..network.config import is_multimodal_layout, load_config, text_config_of
-from ..network.neuron_config import Qwen36NeuronConfig, dtype_name
-from ..network.quantization import Fp8Quantization
+from ..network.neuron_config import CHECKPOINT_MODULES, Qwen36NeuronConfig, dtype_name
 from ..network.sharding import FunctionalCollectives, check_sharding_plan, check_tp_degree, parallelize
 from ..network.weights import (
+    Quantization,
     build_model,
-    check_fp8_sharding,
+    check_quantized_sharding,
     checkpoint_fp8_modules,
+    checkpoint_int4_format,
+    checkpoint_quantization,
     fp8_modules_of_checkpoint,
-    fp8_quantization,
     resolve_checkpoint,
 )
+from ..ops.int4 import DEFAULT_GROUP_SIZE
 from ..ops.native import BF16_MATMUL_FLAGS, bf16_matmul_instructions
 from ..tokenizer import PACKAGE_DIR as SHIPPED_TOKENIZER_DIR
 from ..tokenizer import has_tokenizer_files
@@ -75,6 +77,8 @@ class ExportMixin:
         prefix_cache_interval: int = 2048,
         quantization: str | None = None,
         fp8_modules: str | None = None,
+        int4_modules: str | None = None,
+        int4_group_size: int | None = None,
         num_speculative_tokens: int = 0,
         revision: str | None = None,
         token: str | None = None,
@@ -82,7 +86,10 @@ class ExportMixin:
         """The export settings for a checkpoint; defaults come from its config (dtype, context length,
         quantization); the backend is cpu unless named ("eager" runs the PyTorch code uncompiled). An FP8
         checkpoint keeps its FP8 weights; `quantization="fp8"` quantizes a bf16 / fp32 one at export,
-        `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp".
+        `fp8_modules` "linear" (default, as Qwen's FP8 releases) or "mlp". A 4-bit checkpoint (GPTQ, AWQ,
+        compressed-tensors) keeps its 4-bit weights; `quantization="int4"` quantizes a bf16 / fp32 one at
+        export, `int4_modules` "linear" (default) or "mlp", `int4_group_size` input features per scale
+        (default 128; -1: per output channel).
         `num_speculative_tokens` k (1..3) loads the checkpoint's MTP layer: the engine (`create_engine`,
         `serve`) then drafts k tokens per step and verifies them in one step (MTP speculative decoding)."""
         checkpoint_dir = resolve_checkpoint(model_name_or_path, revision=revision, token=token)
@@ -94,6 +101,18 @@ class ExportMixin:
             fp8_modules = fp8_modules or fp8_modules_of_checkpoint(text_config, stored_fp8)
         elif quantization == "fp8" and fp8_modules is None:
             fp8_modules = "linear"
+        int4_format = checkpoint_int4_format(config)
+        if int4_format is not None:
+            if quantization not in (None, "int4"):
+                raise ValueError(
+                    f"{model_name_or_path} holds 4-bit weights ({int4_format.method}): export it with "
+                    "quantization='int4' (the default from_pretrained picks for it)."
+                )
+            quantization = "int4"
+            int4_modules = int4_modules or CHECKPOINT_MODULES
+        elif quantization == "int4":
+            int4_modules = int4_modules or "linear"
+            int4_group_size = int4_group_size or DEFAULT_GROUP_SIZE
         if sequence_length is None:
             sequence_length = min(4096, text_config.max_position_embeddings)
         if dtype is None:
@@ -114,6 +133,8 @@ class ExportMixin:
             prefix_cache_interval=prefix_cache_interval,
             quantization=quantization,
             fp8_modules=fp8_modules,
+            int4_modules=int4_modules,
+            int4_group_size=int4_group_size,
             num_speculative_tokens=num_speculative_tokens,
             **({} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}),
             checkpoint_id=str(model_name_or_path),
@@ -123,21 +144,13 @@ class ExportMixin:
     @staticmethod
     def model_config(
         checkpoint_dir: str, neuron_config: Qwen36NeuronConfig
-    ) -> tuple[PretrainedConfig, PretrainedConfig, Fp8Quantization | None]:
+    ) -> tuple[PretrainedConfig, PretrainedConfig, Quantization | None]:
         """The checkpoint's config; its text config as the model is built from it (with the
-        quantization_config of its FP8 weights, which the saved config.json and the compile cache key
-        carry); and which linear layers are FP8."""
+        quantization_config of its FP8 or 4-bit weights, which the saved config.json and the compile cache
+        key carry); and which linear layers are quantized."""
         config = load_config(checkpoint_dir)
         text_config = text_config_of(config)
-        quantization = fp8_quantization(
-            config,
-            text_config,
-            checkpoint_dir,
-            is_multimodal_layout(config),
-            neuron_config.quantization,
-            neuron_config.fp8_modules,
-            mtp=neuron_config.num_speculative_tokens > 0,
-        )
+        quantization = checkpoint_quantization(config, text_config, checkpoint_dir, neuron_config)
         if quantization is not None:
             text_config.quantization_config = quantization.config_dict(text_config)
         return config, text_config, quantization
@@ -177,7 +190,7 @@ class ExportMixin:
             if neuron_config.quantization is not None:  # a clear error before any worker starts
                 checkpoint_dir = resolve_checkpoint(model_id, revision=revision, token=token)
                 _, text_config, quantization = cls.model_config(checkpoint_dir, neuron_config)
-                check_fp8_sharding(text_config, quantization, neuron_config.tp_degree)
+                check_quantized_sharding(text_config, quantization, neuron_config.tp_degree)
             collective_backend, environments = GLOO, None
             if neuron_config.backend == "neuron":  # before any worker starts: the SDK, each rank's core
                 collective_backend = NEURON_COLLECTIVES

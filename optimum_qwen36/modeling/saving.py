@@ -18,6 +18,7 @@ from ..backends.base import COMPILED_DIR
 from ..distributed.group import COLLECTIVE_TIMEOUT, TensorParallelWorkerError
 from ..distributed.replicated import Driver, on_every_rank
 from ..exporters import artifact
+from ..network.int4 import compressed_tensors_state
 from ..network.quantization import SCALE_SUFFIX
 from ..network.sharding import sharding_plan, unshard_scale, unshard_tensor
 from ..ops.fp8 import FP8_DTYPE
@@ -115,7 +116,7 @@ class SaveMixin:
         # On the host: safetensors and gloo take cpu tensors (a backend may keep the weights on its device).
         state = {name: p.detach().cpu() for name, p in self.model.named_parameters()}
         if self.tensor_parallel is None:
-            return state
+            return compressed_tensors_state(self.model, state)
         group, gathered = self.tensor_parallel.group, {}
         for name, tensor in state.items():
             if tensor.dtype == FP8_DTYPE:  # gloo does not move float8: its bytes travel as uint8

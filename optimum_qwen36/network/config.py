@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from transformers import AutoConfig, PretrainedConfig
 
@@ -40,6 +41,27 @@ def text_model_name(name: str) -> str:
     if name.startswith(MULTIMODAL_LM_PREFIX):
         return "model." + name.removeprefix(MULTIMODAL_LM_PREFIX)
     return name
+
+
+def module_names(module: str) -> tuple[str, str]:
+    """A model name (`model.layers.0.mlp`), and the same module's name in the multimodal layout."""
+    return module, MULTIMODAL_LM_PREFIX + module.removeprefix("model.")
+
+
+def pattern_matches(pattern: str, module: str) -> bool:
+    """A regular expression (GPTQ `dynamic`, compressed-tensors `re:`) against either name of `module`."""
+    return any(re.match(pattern, name) for name in module_names(module))
+
+
+def excludes(entry: str, module: str) -> bool:
+    """Whether a quantization_config exclusion entry (`modules_to_not_convert`, `ignore`, ...) names
+    `module` (a model name): `re:` a regular expression; else a name with or without the multimodal
+    layout's `model.language_model.` prefix (transformers #48349: prefixed entries never matched a
+    text-only load) of the module, of a parent, or a suffix such as `lm_head` or `linear_attn.in_proj_a`."""
+    if entry.startswith("re:"):
+        return pattern_matches(entry.removeprefix("re:"), module)
+    entry = text_model_name(entry)
+    return module == entry or module.startswith(entry + ".") or module.endswith("." + entry)
 
 
 def validate_text_config(config: PretrainedConfig) -> None:

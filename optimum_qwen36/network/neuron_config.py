@@ -13,12 +13,12 @@ NEURON_CONFIG_NAME = "neuron_config.json"
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_BACKENDS = ("eager", "cpu", "cuda", "neuron")
-SUPPORTED_QUANTIZATIONS = ("fp8",)
-# Which linear layers FP8 quantizes (network/quantization.py lists them), or "checkpoint": those an FP8
-# checkpoint holds, whichever set that is.
-FP8_MODULE_SETS = ("mlp", "linear")
-CHECKPOINT_FP8_MODULES = "checkpoint"
-SUPPORTED_FP8_MODULES = (*FP8_MODULE_SETS, CHECKPOINT_FP8_MODULES)
+SUPPORTED_QUANTIZATIONS = ("fp8", "int4")
+# Which linear layers FP8 or int4 quantizes (network/quantization.py lists them), or "checkpoint": those a
+# quantized checkpoint holds, whichever set that is.
+MODULE_SETS = ("mlp", "linear")
+CHECKPOINT_MODULES = "checkpoint"
+SUPPORTED_MODULE_SETS = (*MODULE_SETS, CHECKPOINT_MODULES)
 # MTP speculative decoding drafts 1..3 tokens per step with the checkpoint's one MTP layer.
 MAX_SPECULATIVE_TOKENS = 3
 # Backends that run a model split over tp_degree processes (torch.distributed: gloo; TorchNeuron's group).
@@ -66,9 +66,13 @@ class Qwen36NeuronConfig:
     prefix_cache_bytes: int = 4 * 2**30
     prefix_cache_granularity: int = 64
     prefix_cache_interval: int = 2048
-    # Weight quantization: None, or "fp8" (block-scaled e4m3 weights, 1 byte each) for `fp8_modules`.
+    # Weight quantization: None, "fp8" (block-scaled e4m3 weights, 1 byte each) for `fp8_modules`, or
+    # "int4" (4-bit weights with a scale and zero point per group of `int4_group_size` inputs) for
+    # `int4_modules`.
     quantization: str | None = None
     fp8_modules: str | None = None
+    int4_modules: str | None = None
+    int4_group_size: int | None = None
     # MTP speculative decoding: tokens the checkpoint's multi-token-prediction layer drafts per step (0: off).
     num_speculative_tokens: int = 0
 
@@ -78,7 +82,7 @@ class Qwen36NeuronConfig:
             raise ValueError(
                 f"Unknown quantization {self.quantization!r}: choose None or {SUPPORTED_QUANTIZATIONS}."
             )
-        if self.fp8_modules not in (None, *SUPPORTED_FP8_MODULES):
+        if self.fp8_modules not in (None, *SUPPORTED_MODULE_SETS):
             raise ValueError(
                 f"Unknown fp8_modules {self.fp8_modules!r}: choose 'mlp' (MLP linears) or 'linear' (every "
                 "attention, Gated DeltaNet and MLP linear, as Qwen's FP8 releases)."
@@ -87,6 +91,7 @@ class Qwen36NeuronConfig:
             raise ValueError(f"fp8_modules={self.fp8_modules!r} needs quantization='fp8'.")
         if self.quantization == "fp8" and self.fp8_modules is None:
             raise ValueError("quantization='fp8' needs fp8_modules ('mlp' or 'linear').")
+        self._check_int4()
         for name in ("batch_size", "sequence_length", "prefill_chunk_size", "kv_block_size", "tp_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -108,6 +113,33 @@ class Qwen36NeuronConfig:
                 f"tp_degree={self.tp_degree} runs on the {' / '.join(TENSOR_PARALLEL_BACKENDS)} backends "
                 f"in this version: the {self.backend!r} backend does not run sharded graphs yet. Export "
                 f"with backend={' or '.join(map(repr, TENSOR_PARALLEL_BACKENDS))}, or with tp_degree=1."
+            )
+
+    def _check_int4(self) -> None:
+        if self.int4_modules not in (None, *SUPPORTED_MODULE_SETS):
+            raise ValueError(
+                f"Unknown int4_modules {self.int4_modules!r}: choose 'mlp' (MLP linears) or 'linear' (every "
+                "attention, Gated DeltaNet and MLP linear)."
+            )
+        if (
+            self.int4_modules is not None or self.int4_group_size is not None
+        ) and self.quantization != "int4":
+            raise ValueError("int4_modules and int4_group_size need quantization='int4'.")
+        if self.quantization == "int4" and self.int4_modules is None:
+            raise ValueError("quantization='int4' needs int4_modules ('mlp', 'linear' or 'checkpoint').")
+        if self.quantization == "int4" and self.backend == "neuron":
+            raise ValueError(
+                "quantization='int4' does not run on the neuron backend: its graphs have no 4-bit weight "
+                "path (docs/INT4.md). Export with backend='cpu', or quantization='fp8' on neuron."
+            )
+        size = self.int4_group_size
+        if size is not None and (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or not (size in (-1, 32, 64) or (size > 0 and size % 128 == 0))
+        ):
+            raise ValueError(
+                f"int4_group_size must be 32, 64, a multiple of 128 or -1 (per output channel), got {size!r}."
             )
 
     def _check_speculative(self) -> None:

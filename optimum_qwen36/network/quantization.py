@@ -18,8 +18,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..ops.fp8 import DEFAULT_BLOCK_SIZE, FP8_DTYPE, fp8_linear, requantize_fp8, scale_shape
-from .config import LINEAR_ATTENTION, text_model_name
-from .neuron_config import FP8_MODULE_SETS
+from .config import LINEAR_ATTENTION, excludes
+from .neuron_config import MODULE_SETS
 
 SCALE_SUFFIX = ".weight_scale_inv"
 MLP_LINEARS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -35,13 +35,13 @@ MTP_LAYER = "mtp.layers.0"
 MTP_LINEARS = ("mtp.fc", *(f"{MTP_LAYER}.{module}" for module in (*ATTENTION_LINEARS, *MLP_LINEARS)))
 
 
-def fp8_module_names(config: PretrainedConfig, fp8_modules: str, mtp: bool = False) -> list[str]:
-    """The linear layers `fp8_modules` ("mlp" or "linear") quantizes, by the model's parameter names (`mtp`:
-    with the MTP layer's, whose `fc` stays in the model dtype)."""
-    if fp8_modules not in FP8_MODULE_SETS:
-        raise ValueError(f"fp8_modules must be one of {FP8_MODULE_SETS}, got {fp8_modules!r}.")
-    gdn = () if fp8_modules == "mlp" else GDN_LINEARS
-    attention = () if fp8_modules == "mlp" else ATTENTION_LINEARS
+def linear_module_names(config: PretrainedConfig, modules: str, mtp: bool = False) -> list[str]:
+    """The linear layers a module set (`fp8_modules`, `int4_modules`: "mlp" or "linear") quantizes, by the
+    model's parameter names (`mtp`: with the MTP layer's, whose `fc` stays in the model dtype)."""
+    if modules not in MODULE_SETS:
+        raise ValueError(f"The quantized module set must be one of {MODULE_SETS}, got {modules!r}.")
+    gdn = () if modules == "mlp" else GDN_LINEARS
+    attention = () if modules == "mlp" else ATTENTION_LINEARS
     names = []
     for index, layer_type in enumerate(config.layer_types):
         mixer = gdn if layer_type == LINEAR_ATTENTION else attention
@@ -65,13 +65,8 @@ def kept_linear_names(config: PretrainedConfig, quantized: set[str], mtp: bool =
 
 def not_converted(entries: list[str], module: str) -> bool:
     """Whether a `modules_to_not_convert` entry names `module` (a model name such as
-    `model.layers.0.mlp.gate_proj`). Entries may carry the multimodal layout's `model.language_model.`
-    prefix (transformers #48349: such entries never matched a text-only load), name a parent module, or
-    be a suffix such as `lm_head` or `linear_attn.in_proj_a`."""
-    for entry in map(text_model_name, entries):
-        if module == entry or module.startswith(entry + ".") or module.endswith("." + entry):
-            return True
-    return False
+    `model.layers.0.mlp.gate_proj`): config.excludes."""
+    return any(excludes(entry, module) for entry in entries)
 
 
 @dataclass(frozen=True)
@@ -94,7 +89,8 @@ class QuantizationConfig:
         if method != "fp8":
             raise ValueError(
                 f"config.json has quantization_config quant_method={method!r}; optimum-qwen36 loads FP8 "
-                "checkpoints (quant_method 'fp8') and bf16 / fp32 ones."
+                "checkpoints (quant_method 'fp8'), 4-bit ones ('gptq', 'awq', 'compressed-tensors') and "
+                "bf16 / fp32 ones."
             )
         fmt = values.get("fmt", "e4m3")
         if fmt != "e4m3":

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -14,15 +15,23 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from ..ops.fp8 import FP8_DTYPE, quantize_fp8
-from .config import MULTIMODAL_LM_PREFIX, text_model_name
+from ..ops.int4 import kernel_group_size, quantize_int4
+from .config import MULTIMODAL_LM_PREFIX, is_multimodal_layout, text_model_name
+from .int4 import Int4Module, Int4Quantization
+from .int4_checkpoints import (
+    INT4_METHODS,
+    Int4CheckpointFormat,
+    int4_checkpoint_format,
+    raw_quantization_config,
+)
 from .model import Qwen36ForCausalLM
-from .neuron_config import CHECKPOINT_FP8_MODULES
+from .neuron_config import CHECKPOINT_MODULES, Qwen36NeuronConfig
 from .quantization import (
     MTP_LINEARS,
     SCALE_SUFFIX,
     Fp8Quantization,
     QuantizationConfig,
-    fp8_module_names,
+    linear_module_names,
     not_converted,
     replace_with_fp8_linears,
 )
@@ -35,6 +44,9 @@ from .sharding import (
     valid_degrees,
 )
 from .vision import VISION_PREFIX, Qwen36VisionModel
+
+# What build_model holds: FP8 or 4-bit linear layers.
+Quantization = Fp8Quantization | Int4Quantization
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FP8_SAFETENSORS_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -156,12 +168,13 @@ def build_model(
     multimodal: bool,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    quantization: Fp8Quantization | None = None,
+    quantization: Quantization | None = None,
     mtp: bool = False,
     shard: tuple[int, int] | None = None,
 ) -> Qwen36ForCausalLM:
     """Build the model on the meta device, then assign every parameter from the checkpoint (cast to dtype;
-    the linear layers of `quantization` as block-scaled FP8, read as stored or quantized here). `mtp`: also
+    the linear layers of `quantization` as block-scaled FP8 or 4-bit weights, read as stored or quantized
+    here). `mtp`: also
     the multi-token-prediction layer (`mtp.*`), which the checkpoint must hold. `shard` (rank, degree):
     that tensor-parallel rank's model, holding its slice of each tensor (network/sharding.py).
 
@@ -170,7 +183,11 @@ def build_model(
     rank, degree = shard or (0, 1)
     whole = _meta_model(config, mtp, quantization)
     model = whole if degree == 1 else _meta_model(shard_config(config, degree), mtp, quantization)
-    fp8_weights = {f"{module}.weight" for module in (quantization.modules if quantization else ())}
+    fp8 = quantization if isinstance(quantization, Fp8Quantization) else None
+    fp8_weights = {f"{module}.weight" for module in (fp8.modules if fp8 else ())}
+    int4 = quantization if isinstance(quantization, Int4Quantization) else None
+    int4_modules = {name: whole.get_submodule(name) for name in (int4.module_names if int4 else ())}
+    int4_tensors: dict[str, dict[str, torch.Tensor]] = {}
     whole_shapes = {name: tuple(p.shape) for name, p in whole.named_parameters()}  # tied weights appear once
     expected = {name: p for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
@@ -188,13 +205,17 @@ def build_model(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the output projection
+        module, _, suffix = name.rpartition(".")
+        if module in int4_modules and int4_part(int4, suffix):
+            int4_tensors.setdefault(module, {})[suffix] = tensor
+            continue
         if name not in expected:
             unexpected.append(key)
             continue
         _check_shape(key, name, tensor, whole_shapes[name], quantization)
-        if name in fp8_weights and not quantization.prequantized:
+        if name in fp8_weights and not fp8.prequantized:
             # Quantized whole, then split: a rank's blocks and scales are those of one process.
-            weight, scale = quantize_fp8(tensor, quantization.block_size)
+            weight, scale = quantize_fp8(tensor, fp8.block_size)
             scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
             for part_name, part in ((name, weight), (scale_name, scale)):
                 part = _shard(config, part_name, part, whole_shapes, quantization, rank, degree)
@@ -203,6 +224,10 @@ def build_model(
         tensor = _shard(config, name, tensor, whole_shapes, quantization, rank, degree)
         is_scale = name.endswith(SCALE_SUFFIX)
         loaded[name] = _loaded_tensor(key, tensor, name in fp8_weights, is_scale, dtype).to(device)
+    for module, tensors in int4_tensors.items():
+        linear = int4_modules[module]
+        held = read_int4(int4, module, tensors, linear.out_features, linear.in_features)
+        loaded.update({f"{module}.{part}": t.to(device) for part, t in held.items()})
     missing = sorted(set(expected) - set(loaded))
     if mtp and missing and missing == sorted(n for n in expected if n.startswith(MTP_PREFIX)):
         raise CheckpointError(
@@ -239,15 +264,47 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-def _meta_model(
-    config: PretrainedConfig, mtp: bool, quantization: Fp8Quantization | None
-) -> Qwen36ForCausalLM:
-    """The model of `config` on the meta device (no storage), with its FP8 linears."""
+def _meta_model(config: PretrainedConfig, mtp: bool, quantization: Quantization | None) -> Qwen36ForCausalLM:
+    """The model of `config` on the meta device (no storage), with its FP8 or 4-bit linears."""
     with torch.device("meta"):
         model = Qwen36ForCausalLM(config, mtp=mtp)
-    if quantization is not None:
+    if isinstance(quantization, Fp8Quantization):
         replace_with_fp8_linears(model, quantization)
+    elif quantization is not None:
+        quantization.replace_linears(model)
     return model
+
+
+def int4_part(quantization: Int4Quantization, suffix: str) -> bool:
+    """Whether a tensor `X.<suffix>` of a 4-bit linear X goes to `read_int4`: the format's tensors, or the
+    model-dtype weight quantized here."""
+    if quantization.checkpoint is None:
+        return suffix == "weight"
+    return suffix in quantization.checkpoint.tensor_suffixes
+
+
+def read_int4(
+    quantization: Int4Quantization,
+    module: str,
+    tensors: dict[str, torch.Tensor],
+    out_features: int,
+    in_features: int,
+) -> dict[str, torch.Tensor]:
+    """A 4-bit linear's parameters (by name) from its checkpoint tensors: read from the checkpoint's format,
+    or its weight quantized (round to nearest, asymmetric per group)."""
+    if quantization.checkpoint is not None:
+        held = quantization.checkpoint.read(module, tensors, out_features, in_features)
+        parts = {"packed_weight": held.packed, "scales": held.scales, "zeros": held.zeros}
+        return parts if held.input_order is None else {**parts, "input_order": held.input_order}
+    weight = tensors["weight"]
+    if tuple(weight.shape) != (out_features, in_features):
+        raise CheckpointError(
+            f"Tensor {module}.weight has shape {tuple(weight.shape)} but the config implies "
+            f"{(out_features, in_features)}: the checkpoint and its config.json do not match."
+        )
+    group_size = dict(quantization.modules)[module].group_size
+    packed, scales, zeros = quantize_int4(weight, kernel_group_size(group_size, in_features))
+    return {"packed_weight": packed, "scales": scales, "zeros": zeros}
 
 
 def _check_shape(
@@ -292,9 +349,14 @@ def _shard(
     return shard_tensor(config, name, tensor, rank, degree).clone()
 
 
-def check_fp8_sharding(config: PretrainedConfig, quantization: Fp8Quantization, degree: int) -> None:
+def check_quantized_sharding(config: PretrainedConfig, quantization: Quantization, degree: int) -> None:
     """Raise TensorParallelError unless every rank's slice of every FP8 weight is made of whole scale
-    blocks (checked before any process starts), naming the degrees that are."""
+    blocks (checked before any process starts), naming the degrees that are; 4-bit weights are not split."""
+    if isinstance(quantization, Int4Quantization):
+        raise TensorParallelError(
+            f"tp_degree={degree}: 4-bit weights do not run with tensor parallelism in this version. Export "
+            "with tp_degree=1, or with quantization='fp8' (or unquantized) to split the model."
+        )
     whole = _meta_model(config, quantization.mtp, quantization)
     shapes = {f"{m}.weight": tuple(whole.get_submodule(m).weight.shape) for m in quantization.modules}
     block = quantization.block_size
@@ -337,20 +399,26 @@ def _loaded_tensor(
     return tensor.to(dtype)
 
 
-def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool, mtp: bool = False) -> set[str]:
-    """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
-    the safetensors headers only (`mtp`: the MTP layer's too)."""
-    modules = set()
+def checkpoint_entries(checkpoint_dir: str, multimodal: bool, mtp: bool) -> Iterator[tuple[str, str, Any]]:
+    """(model name, checkpoint key, its open safetensors file) for every key the model uses (`mtp`: the MTP
+    layer's too); nothing is read until the caller asks the file."""
     for path in safetensors_files(checkpoint_dir):
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
                 name = model_key(key, multimodal, mtp)
-                if name is None:
-                    continue
-                if name.endswith(SCALE_SUFFIX):
-                    modules.add(name.removesuffix(SCALE_SUFFIX))
-                elif name.endswith(".weight") and f.get_slice(key).get_dtype() in FP8_SAFETENSORS_DTYPES:
-                    modules.add(name.removesuffix(".weight"))
+                if name is not None:
+                    yield name, key, f
+
+
+def checkpoint_fp8_modules(checkpoint_dir: str, multimodal: bool, mtp: bool = False) -> set[str]:
+    """The modules (model names) whose checkpoint weight is FP8 or which have a `weight_scale_inv`, read from
+    the safetensors headers only (`mtp`: the MTP layer's too)."""
+    modules = set()
+    for name, key, f in checkpoint_entries(checkpoint_dir, multimodal, mtp):
+        if name.endswith(SCALE_SUFFIX):
+            modules.add(name.removesuffix(SCALE_SUFFIX))
+        elif name.endswith(".weight") and f.get_slice(key).get_dtype() in FP8_SAFETENSORS_DTYPES:
+            modules.add(name.removesuffix(".weight"))
     return modules
 
 
@@ -359,9 +427,9 @@ def fp8_modules_of_checkpoint(text_config: PretrainedConfig, stored: set[str]) -
     are one of those exactly."""
     trunk = {module for module in stored if not module.startswith(MTP_PREFIX)}
     for fp8_modules in ("linear", "mlp"):
-        if trunk == set(fp8_module_names(text_config, fp8_modules)):
+        if trunk == set(linear_module_names(text_config, fp8_modules)):
             return fp8_modules
-    return CHECKPOINT_FP8_MODULES
+    return CHECKPOINT_MODULES
 
 
 def fp8_quantization(
@@ -405,7 +473,7 @@ def fp8_quantization(
                 f"{_head(listed)} hold FP8 weights but quantization_config.modules_to_not_convert lists "
                 "them as unquantized: the checkpoint contradicts its config."
             )
-        supported = {*fp8_module_names(text_config, "linear"), *(MTP_LINEARS if mtp else ())}
+        supported = {*linear_module_names(text_config, "linear"), *(MTP_LINEARS if mtp else ())}
         unsupported = sorted(stored - supported)
         if unsupported:
             raise CheckpointError(
@@ -414,7 +482,7 @@ def fp8_quantization(
                 "(and the MTP layer's `fc`)."
             )
         found = fp8_modules_of_checkpoint(text_config, stored)
-        if fp8_modules not in (None, CHECKPOINT_FP8_MODULES, found):
+        if fp8_modules not in (None, CHECKPOINT_MODULES, found):
             raise ValueError(
                 f"fp8_modules={fp8_modules!r}, but {checkpoint_dir} is already quantized with "
                 f"fp8_modules={found!r}. Drop fp8_modules, or start from the bf16 checkpoint to quantize "
@@ -424,12 +492,116 @@ def fp8_quantization(
         return Fp8Quantization(tuple(sorted(stored)), block, prequantized=True, mtp=mtp)
     if quantization is None:
         return None
-    if fp8_modules in (None, CHECKPOINT_FP8_MODULES):
+    if fp8_modules in (None, CHECKPOINT_MODULES):
         raise ValueError(
             f"{checkpoint_dir} is not an FP8 checkpoint: choose which linear layers to quantize with "
             "fp8_modules='mlp' or 'linear'."
         )
-    return Fp8Quantization(tuple(fp8_module_names(text_config, fp8_modules, mtp)), mtp=mtp)
+    return Fp8Quantization(tuple(linear_module_names(text_config, fp8_modules, mtp)), mtp=mtp)
+
+
+def checkpoint_quantization(
+    config: PretrainedConfig,
+    text_config: PretrainedConfig,
+    checkpoint_dir: str,
+    neuron_config: Qwen36NeuronConfig,
+) -> Quantization | None:
+    """What `build_model` quantizes for these export settings: a 4-bit checkpoint's linears as stored, an
+    FP8 checkpoint's, or those the settings quantize at export; None for an unquantized model."""
+    multimodal, mtp = is_multimodal_layout(config), neuron_config.num_speculative_tokens > 0
+    raw = raw_quantization_config(config)
+    stored_int4 = raw is not None and raw.get("quant_method") in INT4_METHODS
+    if stored_int4 or neuron_config.quantization == "int4":
+        return int4_quantization(config, text_config, checkpoint_dir, multimodal, neuron_config, mtp)
+    return fp8_quantization(
+        config,
+        text_config,
+        checkpoint_dir,
+        multimodal,
+        neuron_config.quantization,
+        neuron_config.fp8_modules,
+        mtp=mtp,
+    )
+
+
+def checkpoint_int4_format(config: PretrainedConfig) -> Int4CheckpointFormat | None:
+    """The 4-bit format of a checkpoint's quantization_config (GPTQ, AWQ, compressed-tensors); None for
+    others."""
+    raw = raw_quantization_config(config)
+    if raw is None or raw.get("quant_method") not in INT4_METHODS:
+        return None
+    return int4_checkpoint_format(raw)
+
+
+def stored_int4_modules(
+    checkpoint_format: Int4CheckpointFormat, checkpoint_dir: str, multimodal: bool, mtp: bool
+) -> dict[str, Int4Module]:
+    """The linears (model names) a 4-bit checkpoint stores in 4 bits (those with the format's packed
+    weight), each with its group size and whether a non-trivial group index permutes its inputs; reads
+    the headers and the group indices only."""
+    packed, index_suffix = checkpoint_format.packed_suffix, checkpoint_format.tensor_suffixes[-1]
+    found: dict[str, int] = {}
+    group_indices: dict[str, torch.Tensor] = {}
+    for name, key, f in checkpoint_entries(checkpoint_dir, multimodal, mtp):
+        module, _, suffix = name.rpartition(".")
+        if suffix == packed:
+            found[module] = checkpoint_format.module_scheme(module).group_size
+        elif suffix == index_suffix and index_suffix.endswith("g_idx"):
+            group_indices[module] = f.get_tensor(key)
+    modules = {}
+    for module, group_size in found.items():
+        index = group_indices.get(module)
+        size = index.numel() if index is not None else 0
+        natural = torch.arange(size) // (size if group_size == -1 else group_size)
+        modules[module] = Int4Module(group_size, index is not None and not torch.equal(index.long(), natural))
+    return modules
+
+
+def int4_quantization(
+    config: PretrainedConfig,
+    text_config: PretrainedConfig,
+    checkpoint_dir: str,
+    multimodal: bool,
+    neuron_config: Qwen36NeuronConfig,
+    mtp: bool,
+) -> Int4Quantization:
+    """A 4-bit checkpoint's quantized linears as stored (checked against its config's exclusions and the
+    requested settings), or `int4_modules` of a bf16 / fp32 checkpoint quantized at export."""
+    checkpoint_format = checkpoint_int4_format(config)
+    if checkpoint_format is None:
+        if checkpoint_fp8_modules(checkpoint_dir, multimodal, mtp) or raw_quantization_config(config):
+            raise ValueError(
+                f"{checkpoint_dir} is already quantized: quantization='int4' quantizes a bf16 / fp32 "
+                "checkpoint."
+            )
+        names = linear_module_names(text_config, neuron_config.int4_modules, mtp)
+        return Int4Quantization.at_export(names, neuron_config.int4_group_size, mtp)
+    if neuron_config.quantization != "int4":
+        raise ValueError(
+            f"{checkpoint_dir} holds 4-bit weights ({checkpoint_format.method}): export it with "
+            "quantization='int4' (the default from_pretrained picks for it)."
+        )
+    modules = stored_int4_modules(checkpoint_format, checkpoint_dir, multimodal, mtp)
+    if not modules:
+        raise CheckpointError(
+            f"{checkpoint_dir}'s config.json has a {checkpoint_format.method} quantization_config but no "
+            f"tensor is a packed 4-bit weight (`X.{checkpoint_format.packed_suffix}`): the weights and the "
+            "config do not belong together."
+        )
+    listed = sorted(m for m in modules if not m.startswith(MTP_PREFIX) and checkpoint_format.is_excluded(m))
+    if listed:
+        raise CheckpointError(
+            f"{_head(listed)} hold 4-bit weights but the quantization_config excludes them "
+            "(modules_to_not_convert / ignore / dynamic): the checkpoint contradicts its config."
+        )
+    if config.tie_word_embeddings and "lm_head" in modules:
+        raise CheckpointError("lm_head holds 4-bit weights but tie_word_embeddings is true: untie the head.")
+    if neuron_config.int4_modules not in (None, CHECKPOINT_MODULES) or neuron_config.int4_group_size:
+        raise ValueError(
+            f"{checkpoint_dir} is already quantized to 4 bits: drop int4_modules and int4_group_size (its "
+            "own modules and group sizes are used), or start from the bf16 checkpoint."
+        )
+    return Int4Quantization(tuple(sorted(modules.items())), checkpoint_format, mtp)
 
 
 def _head(names: list[str], limit: int = 8) -> str:

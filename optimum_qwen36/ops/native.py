@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = (
     "fp8_linear.cpp",
+    "int4_linear.cpp",
     "bf16_linear.cpp",
     "paged_attention.cpp",
     "gdn_decode.cpp",
@@ -34,7 +35,10 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in KERNELS)
 # Everything the extension is built from (its name and the compile cache key hash these).
 FILES = (
     *SOURCES,
-    *(Path(__file__).parent / "csrc" / h for h in ("vec_math.h", "gdn_state.h", "denormals.h", "amx.h")),
+    *(
+        Path(__file__).parent / "csrc" / h
+        for h in ("vec_math.h", "gdn_state.h", "denormals.h", "amx.h", "dequantized_product.h")
+    ),
 )
 # Each kernel's vector path is compiled where the CPU has every extension of its set, else portable scalar
 # code: AVX2 + FMA + F16C (fp8_linear's float32 path, bf16_linear's and the GDN prefill's AVX2 paths),
@@ -171,8 +175,8 @@ def load_native_ops() -> bool:
         SOURCES,
         build_flags(),
         python_module=False,
-        fallback="FP8 linear layers run their PyTorch twin, which computes the same values more slowly, bf16 "
-        "decode steps ATen's F.linear, and attention reads the whole block table under a mask.",
+        fallback="FP8 and 4-bit linear layers run their PyTorch twins, which compute the same values more "
+        "slowly, bf16 decode steps ATen's F.linear, and attention reads the whole block table under a mask.",
     )
     if built:
         _register_fake_kernels()
@@ -185,6 +189,10 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("optimum_qwen36::fp8_linear")
     def _(x, weight, scale_inv, block_rows, block_cols):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("optimum_qwen36::int4_linear")
+    def _(x, packed, scales, zeros, group_size):
+        return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
     @torch.library.register_fake("optimum_qwen36::bf16_linear")
     def _(x, weight, bias):

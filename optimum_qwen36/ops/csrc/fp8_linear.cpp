@@ -16,6 +16,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "dequantized_product.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -36,9 +38,6 @@ namespace {
 
 constexpr int64_t kStreamRows = 8;  // decode batches up to this size stream the weight once
 constexpr int64_t kRowGroup = 4;    // float32 path: x rows sharing one pass over a weight row
-constexpr int64_t kTileRows = 1024;  // output features dequantized per tile for the matrix path...
-constexpr int64_t kWholeWeightRows = 256;  // ...up to this many x rows; from here, as many as fit:
-constexpr int64_t kMaxTileElements = int64_t(16) << 20;
 // How far ahead of the loads the bf16 path prefetches the weight: into L2 far ahead for up to
 // kFarPrefetchRows x rows (bound by memory), into L1 near for more (bound by the byte conversion, where the
 // far prefetch measured slower; bench_matvec.py --fp8).
@@ -341,16 +340,6 @@ void dequantize_tile(const uint8_t* weight, const float* scale, int64_t m0, int6
 #endif
 }
 
-// Output features per dequantized tile in the matrix path, a whole number of scale blocks. A few x rows
-// multiply a tile that stays in cache; from kWholeWeightRows the product is bound by arithmetic, and one
-// product over the whole weight (up to kMaxTileElements) runs faster than one per tile, each of which
-// packs x again and writes its part of y through a copy.
-int64_t matrix_tile_rows(int64_t N, int64_t M, int64_t K, int64_t block_rows) {
-  if (N >= kWholeWeightRows && M * K <= kMaxTileElements) return M;
-  const int64_t rows = N >= kWholeWeightRows ? kMaxTileElements / K : kTileRows;
-  return std::max<int64_t>(block_rows, rows / block_rows * block_rows);
-}
-
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale_inv,
                       int64_t block_rows, int64_t block_cols) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scale_inv.device().is_cpu(),
@@ -400,20 +389,10 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
 #else
   const bool bf16_tiles = false;
 #endif
-  const int64_t tile = matrix_tile_rows(N, M, K, block_rows);
   const at::Tensor xm = x.reshape({N, K}).to(bf16_tiles ? at::kBFloat16 : at::kFloat).contiguous();
-  at::Tensor dequantized = at::empty({std::min(tile, M), K}, xm.options());
-  at::Tensor y = at::empty({N, M}, xm.options());
-  for (int64_t m0 = 0; m0 < M; m0 += tile) {
-    const int64_t m1 = std::min(M, m0 + tile);
-    at::Tensor part = dequantized.narrow(0, 0, m1 - m0);
+  const at::Tensor y = optimum_qwen36::tiled_product(xm, M, block_rows, [&](int64_t m0, int64_t m1, at::Tensor& part) {
     dequantize_tile(w_ptr, s.data_ptr<float>(), m0, m1, K, block_rows, block_cols, scale_cols, part);
-    if (tile >= M) {
-      at::mm_out(y, xm, part.t());
-    } else {
-      y.narrow(1, m0, m1 - m0).copy_(at::mm(xm, part.t()));
-    }
-  }
+  });
   return y.to(x.scalar_type()).reshape(out_shape);
 }
 
