@@ -65,6 +65,14 @@ def server(model):
     running.stop()
 
 
+@pytest.fixture(autouse=True)
+def every_request_ends(request):
+    """After each test, however its requests ended, none still runs or holds the server's capacity."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_until_idle()
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -444,6 +452,23 @@ def test_client_disconnect_frees_its_slot(server) -> None:
     assert server.running_requests() == 1
     connection.close()
     server.wait_until_idle()
+
+
+def test_a_request_whose_first_output_is_its_last_frees_its_capacity(server, client) -> None:
+    """One token: the engine's first output ends the request, collected or streamed, in every API."""
+    state = server.app.state.server
+    for stream in (False, True):
+        answers = [
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, stream=stream),
+            chat(client, GREETING, max_tokens=1, stream=stream, extra_body=NO_THINKING),
+            client.responses.create(model=MODEL, input="Hello", max_output_tokens=1, stream=stream),
+        ]
+        if stream:
+            answers = [list(events) for events in answers]
+        deadline = time.monotonic() + 2  # the end is noted as the response is sent, not on a timer
+        while state._in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state._in_flight == 0, f"stream={stream}"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -1097,3 +1122,4 @@ def test_tensor_parallel_server_answers_as_one_process(checkpoint: Path, client)
         assert status == 200 and b"prefix_cache" in body
     finally:
         running.stop()
+

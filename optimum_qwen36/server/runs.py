@@ -96,9 +96,9 @@ class ChoiceRuns:
         async def pump(run: EngineRun, first: RequestOutput) -> None:
             try:
                 await queue.put((run.index, first))
-                if not first.finished:
-                    async for output in run.outputs:
-                        await queue.put((run.index, output))
+                # Iterated to its end even after a finished output: its end releases its capacity.
+                async for output in run.outputs:
+                    await queue.put((run.index, output))
                 await queue.put((run.index, None))
             except asyncio.CancelledError:
                 raise
