@@ -252,12 +252,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
+    from .server.draining import DrainingServer
+
     # uvicorn configures its own loggers; the server's (the ready line, tracebacks of failures) join them.
     log_config = copy.deepcopy(LOGGING_CONFIG)
     server_logger = {"handlers": ["default"], "level": args.log_level.upper(), "propagate": False}
     log_config["loggers"]["optimum_qwen36"] = server_logger
     app = serve_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, log_config=log_config
+    )
+    DrainingServer(config, app.state.server).run()
     return 0
 
 

@@ -68,9 +68,9 @@ class RunningServer:
         """Until no request runs in the engine and none is in flight in the server (10 s at most)."""
         state = self.app.state.server
         deadline = time.monotonic() + 10
-        while (self.running_requests() or state._in_flight) and time.monotonic() < deadline:
+        while (self.running_requests() or state.in_flight) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.running_requests() == 0 and state._in_flight == 0
+        assert self.running_requests() == 0 and state.in_flight == 0
 
     def stop(self) -> None:
         self.server.should_exit = True

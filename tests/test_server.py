@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -466,9 +467,9 @@ def test_a_request_whose_first_output_is_its_last_frees_its_capacity(server, cli
         if stream:
             answers = [list(events) for events in answers]
         deadline = time.monotonic() + 2  # the end is noted as the response is sent, not on a timer
-        while state._in_flight and time.monotonic() < deadline:
+        while state.in_flight and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert state._in_flight == 0, f"stream={stream}"
+        assert state.in_flight == 0, f"stream={stream}"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -514,6 +515,27 @@ def test_metrics_parse(server, client) -> None:
         s.value for s in families["optimum_qwen36:request_success"].samples if s.name.endswith("_total")
     )
     assert success >= 1
+
+
+def test_metrics_under_vllm_names_agree_with_ours(server, client) -> None:
+    """Routers and llm-d's endpoint picker read vLLM's metric names: the same values under both."""
+    prompt = list(range(6000, 6130))
+    for _ in range(2):  # the second is a prefix-cache hit
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    text = server.request("GET", "/metrics")[2].decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    values = {sample.name: sample.value for family in families.values() for sample in family.samples}
+    ours, vllm = "optimum_qwen36:", "vllm:"
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert values[vllm + name] == values[ours + name], name
+    assert values["vllm:prefix_cache_queries_total"] == values[ours + "prefix_cache_queried_tokens"]
+    assert values["vllm:prefix_cache_hits_total"] == values[ours + "prefix_cache_hit_tokens"] >= 128
+    for name in ("prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count"):
+        assert values[vllm + name] == values[ours + name] > 0, name
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels["block_size"] == "64"
+    assert int(info.labels["num_gpu_blocks"]) == values[ours + "kv_blocks"]
+    assert families["vllm:prefix_cache_hits"].type == "counter"
 
 
 def metric_values(server) -> dict[str, float]:
@@ -798,6 +820,10 @@ def test_health_is_503_until_the_model_is_loaded(model, caplog: pytest.LogCaptur
         assert running.status("GET", "/health") == 503
         status, headers, _ = running.request("POST", "/v1/completions", GOOD)
         assert status == 503 and "retry-after" in {k.lower() for k in headers}
+        # A scraper sees every series from start-up: the engine's at zero while the model loads.
+        loading = metric_values(running)
+        assert loading["vllm:num_requests_waiting"] == loading["optimum_qwen36:num_requests_running"] == 0
+        assert loading["vllm:request_success_total"] == 0
         loaded.set()
         running.wait_healthy()
         # This server's default is thinking off.
@@ -812,8 +838,10 @@ def test_health_is_503_until_the_model_is_loaded(model, caplog: pytest.LogCaptur
         running.stop()
 
 
-def test_serve_command(checkpoint: Path) -> None:
-    """`optimum-qwen36 serve CHECKPOINT`: exported on the fly (eager), served until interrupted."""
+def test_serve_command_serves_and_drains_on_sigterm(checkpoint: Path) -> None:
+    """`optimum-qwen36 serve CHECKPOINT`: exported on the fly (eager), served until SIGTERM; then it
+    drains as a router expects of a replica: the stream in flight runs to its end while /health and new
+    requests answer 503 with Retry-After, and the process exits by itself once idle."""
     port = free_port()
     command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--backend", "eager"]
     command += ["--port", str(port), "--served-model-name", "cli", "--sequence-length", "512"]
@@ -833,11 +861,27 @@ def test_serve_command(checkpoint: Path) -> None:
         response = client.chat.completions.create(model="cli", messages=GREETING, temperature=0)
         assert response.choices[0].message.content == CONVERSATIONS["no_thinking"].answer
         assert client.models.list().data[0].max_model_len == 512
+
+        long = dict(model="cli", prompt="Hello", max_tokens=480, extra_body={"ignore_eos": True}, stream=True)
+        stream = iter(client.completions.create(**long))
+        next(stream)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(url + "/health", timeout=5)
+        assert health.value.code == 503 and health.value.headers["Retry-After"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="cli", messages=GREETING, max_tokens=2)
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
+        assert "shutting down" in refused.value.message
+        assert [chunk.choices[0].finish_reason for chunk in stream][-1] == "length"
+        process.wait(timeout=30)
     finally:
         process.terminate()
         output = process.communicate(timeout=30)[0].decode()
-    assert process.returncode in (0, -15), output
+    assert process.returncode == 0, output
     assert f"Ready: serving cli at http://127.0.0.1:{port}/v1" in output, output
+    assert "Draining: 1 sequences in flight" in output, output
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-prefix-caching",)], ids=["default", "no-prefix-caching"])
@@ -1122,4 +1166,3 @@ def test_tensor_parallel_server_answers_as_one_process(checkpoint: Path, client)
         assert status == 200 and b"prefix_cache" in body
     finally:
         running.stop()
-

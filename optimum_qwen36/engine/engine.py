@@ -292,6 +292,7 @@ class Engine:
             # Blocks holding cached prefixes that no request uses: evicted on demand, so as good as free.
             "evictable_blocks": self.prefix_cache.available_blocks() - self.prefix_cache.pool.num_free,
             "blocks": self.prefix_cache.pool.num_blocks - 1,
+            "block_size": self.cache.block_size,
             **self.scheduler.stats,
             "prefix_cache": self.prefix_cache.stats(),
             **({"speculative": self.speculative_stats()} if self.drafter else {}),

@@ -1,15 +1,22 @@
-"""Prometheus metrics (prometheus_client, one registry per server), named like vLLM's with our prefix:
-request counts and latencies recorded as requests finish, engine gauges read from `Engine.stats()` when
-`/metrics` is scraped."""
+"""Prometheus metrics (prometheus_client, one registry per server): request counts and latencies recorded as
+requests finish, engine gauges read from `Engine.stats()` when `/metrics` is scraped. Each series is served
+under our prefix and, for what routers and llm-d's endpoint picker read, under vLLM's own names
+(`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`, ...), every one present
+at zero from start-up."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 PREFIX = "optimum_qwen36:"
+VLLM_PREFIX = "vllm:"
+FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -22,12 +29,6 @@ class ServerMetrics:
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + name, doc, labels, registry=self.registry)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         self.running = gauge("num_requests_running", "Requests holding a GDN slot (prefilling or decoding).")
         self.waiting = gauge("num_requests_waiting", "Requests queued for a slot.")
@@ -49,6 +50,7 @@ class ServerMetrics:
         self.prefix_queried_tokens = gauge(
             "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
         )
+        self.prefix_gauges = (self.prefix_hit_tokens, self.prefix_queried_tokens)
         self.spec_draft_tokens = Gauge(
             PREFIX + "spec_decode_num_draft_tokens",
             "MTP draft tokens verified since start, by draft position (0 = first).",
@@ -61,12 +63,21 @@ class ServerMetrics:
             [*labels, "position"],
             registry=self.registry,
         )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TOKEN_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.", _LATENCY_BUCKETS)
+        engine_gauges = (
+            self.running,
+            self.waiting,
+            self.slots_used,
+            self.slots,
+            self.kv_usage,
+            self.kv_cached,
+        )
+        for metric in (*engine_gauges, self.kv_blocks, self.preemptions, *self.prefix_gauges):
+            metric.labels(model_name)  # present at zero from start-up
+        self.finished = [
+            _FinishedRequests(prefix, model_name, self.registry) for prefix in (PREFIX, VLLM_PREFIX)
+        ]
+        self.vllm_engine = _VLLMEngineMetrics(model_name)
+        self.registry.register(self.vllm_engine)
 
     def request_finished(
         self,
@@ -76,18 +87,15 @@ class ServerMetrics:
         arrival_time: float,
         end_time: float,
     ) -> None:
-        model = self.model_name
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.generation_tokens.labels(model).inc(len(token_times))
-        self.request_success.labels(model, finish_reason).inc()
-        self.e2e.labels(model).observe(end_time - arrival_time)
-        if token_times:
-            self.ttft.labels(model).observe(token_times[0] - arrival_time)
-            for before, after in itertools.pairwise(token_times):
-                self.tpot.labels(model).observe(after - before)
+        for metrics in self.finished:
+            metrics.record(finish_reason, prompt_tokens, token_times, arrival_time, end_time)
 
-    def render(self, stats: dict[str, Any]) -> bytes:
-        """The Prometheus text, with the engine gauges set from `stats` (Engine.stats())."""
+    def render(self, stats: dict[str, Any] | None) -> bytes:
+        """The Prometheus text, with the engine gauges set from `stats` (Engine.stats(); None while the model
+        loads: they read zero)."""
+        self.vllm_engine.stats = stats
+        if stats is None:
+            return generate_latest(self.registry)
         model = self.model_name
         self.running.labels(model).set(stats["running"])
         self.waiting.labels(model).set(stats["waiting"])
@@ -119,3 +127,90 @@ def kv_cache_shares(stats: dict[str, Any]) -> tuple[float, float]:
         return 0.0, 0.0
     cached = stats["evictable_blocks"]
     return (blocks - stats["free_blocks"] - cached) / blocks, cached / blocks
+
+
+class _FinishedRequests:
+    """What is recorded as requests finish, under one prefix."""
+
+    def __init__(self, prefix: str, model_name: str, registry: CollectorRegistry) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(prefix + name, doc, [*labels, *extra], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.", _LATENCY_BUCKETS)
+        # Every series exists from start-up, at zero, so a scraper's rate() has a start.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+
+    def record(
+        self,
+        finish_reason: str,
+        prompt_tokens: int,
+        token_times: list[float],
+        arrival_time: float,
+        end_time: float,
+    ) -> None:
+        model = self.model_name
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(len(token_times))
+        self.request_success.labels(model, finish_reason).inc()
+        self.e2e.labels(model).observe(end_time - arrival_time)
+        if token_times:
+            self.ttft.labels(model).observe(token_times[0] - arrival_time)
+            for before, after in itertools.pairwise(token_times):
+                self.tpot.labels(model).observe(after - before)
+
+
+class _VLLMEngineMetrics(Collector):
+    """The engine's state under vLLM's names and types, from the `Engine.stats()` of the scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        model = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        prefix_cache = stats["prefix_cache"] if stats else {"prompt_tokens": 0, "hit_tokens": 0}
+        yield gauge("num_requests_running", "Requests running.", stats["running"] if stats else 0)
+        yield gauge("num_requests_waiting", "Requests waiting.", stats["waiting"] if stats else 0)
+        usage = kv_cache_shares(stats)[0] if stats else 0.0
+        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 = full; cached prefixes count as free).", usage)
+        preemptions = stats["preemptions"] if stats else 0
+        yield counter("num_preemptions", "Preemptions since start.", preemptions)
+        queried = prefix_cache["prompt_tokens"]
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried)
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix_cache["hit_tokens"]
+        )
+        if stats:
+            info = GaugeMetricFamily(
+                VLLM_PREFIX + "cache_config_info",
+                "The KV cache's configuration (the value is 1).",
+                labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            )
+            info.add_metric([str(stats["block_size"]), str(stats["blocks"]), "True"], 1.0)
+            yield info

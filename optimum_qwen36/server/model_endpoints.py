@@ -18,12 +18,15 @@ from .protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletion
 def health(server: OpenAIServer) -> Response:
     if not server.ready().engine.alive:
         raise OpenAIError(503, "The engine loop has stopped: restart the server.")
+    if server.draining:
+        raise OpenAIError(503, "The server is shutting down.", headers={"Retry-After": "5"})
     return Response(status_code=200)
 
 
 async def metrics(server: OpenAIServer) -> Response:
-    model = server.ready()
-    body = server.metrics.render(await model.engine.stats())
+    """Served from start-up: while the model loads, the engine's series read zero."""
+    stats = None if server.model is None else await server.model.engine.stats()
+    body = server.metrics.render(stats)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -25,6 +25,8 @@ class OpenAIServer:
         self.load_error: BaseException | None = None
         self.structured: StructuredOutput | None = None
         self._in_flight = 0  # engine requests submitted and not finished
+        # Shutting down: requests in flight finish, new ones are refused so a router sends them elsewhere.
+        self.draining = False
 
     def start_serving(self, model: ServedModel) -> None:
         """Serve `model` from now on, its structured-output tables built first (seconds: here, not on the
@@ -56,9 +58,20 @@ class OpenAIServer:
             raise bad_request(f"{param} holds {outside[:8]}, outside the vocabulary (0..{vocab - 1}).", param)
         return list(ids)
 
+    @property
+    def in_flight(self) -> int:
+        """Sequences submitted to the engine and not finished."""
+        return self._in_flight
+
     def admit(self, count: int) -> None:
-        """Refuse `count` more sequences if the queue cannot take them."""
+        """Refuse `count` more sequences if the server is shutting down or the queue cannot take them."""
         model = self.ready()
+        if self.draining:
+            raise OpenAIError(
+                503,
+                "The server is shutting down: send the request to another replica, or retry once it is back.",
+                headers={"Retry-After": "5"},
+            )
         capacity = model.max_num_seqs + self.settings.max_waiting_requests
         if count > capacity:
             raise bad_request(f"n={count} sequences exceed what this server can queue ({capacity}).", "n")
