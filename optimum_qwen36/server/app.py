@@ -24,7 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from .. import __version__
-from . import model_endpoints
+from . import model_endpoints, replica_endpoints
 from .chat_completions import create_chat_completion
 from .completions import create_completion
 from .errors import OpenAIError, install_error_handlers
@@ -105,6 +105,23 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(503))
     async def metrics() -> Response:
         return await model_endpoints.metrics(server)
+
+    # What routers read of a replica (SGLang's names, new and old): read-only and unauthenticated, as /health.
+    replica = error_responses(503)
+
+    @app.get("/model_info", responses=replica)
+    @app.get("/get_model_info", responses=replica)
+    async def model_info() -> dict[str, Any]:
+        return replica_endpoints.model_info(server)
+
+    @app.get("/server_info", responses=replica)
+    @app.get("/get_server_info", responses=replica)
+    async def server_info() -> dict[str, Any]:
+        return replica_endpoints.server_info(server)
+
+    @app.get("/get_load", responses=replica)
+    async def get_load() -> list[dict[str, Any]]:
+        return await replica_endpoints.load(server)
 
     @app.get("/v1/models", response_model=ModelList, **api)
     async def models() -> dict[str, Any]:

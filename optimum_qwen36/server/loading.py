@@ -33,6 +33,7 @@ def served_model(
         config = model.checkpoint_config
         limits = image_limits or ImageLimits()
         images = ImageReader(model.tokenizer_dir, config.vision_config, config.image_token_id, limits)
+    checkpoint_config = getattr(model, "checkpoint_config", model.config)
     return ServedModel(
         engine=AsyncEngine(engine),
         end_token_ids=tuple(engine.eos_token_ids),
@@ -43,4 +44,9 @@ def served_model(
         eos_token_id=tokenizer.eos_token_id,
         generation_defaults={k: configured[k] for k in GENERATION_DEFAULTS if configured.get(k) is not None},
         images=images,
+        model_type=checkpoint_config.model_type,
+        architectures=tuple(checkpoint_config.architectures or ()),
+        tp_degree=model.neuron_config.tp_degree,
+        block_size=engine.cache.block_size,
+        prefix_caching=prefix_caching,
     )

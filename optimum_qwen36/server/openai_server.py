@@ -4,6 +4,7 @@ vocabulary, the queue has room; and the engine parameters a generation request's
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,9 @@ from .runs import ChoiceRuns, EngineRun
 from .served import ServedModel, ServerSettings
 from .structured import Gate, StructuredOutput
 
+# What sglang-router sends as `model` for a request that names none.
+ROUTER_NO_MODEL = "unknown"
+
 
 class OpenAIServer:
     def __init__(self, settings: ServerSettings) -> None:
@@ -27,6 +31,8 @@ class OpenAIServer:
         self._in_flight = 0  # engine requests submitted and not finished
         # Shutting down: requests in flight finish, new ones are refused so a router sends them elsewhere.
         self.draining = False
+        # Tells this replica from others behind a router (its KV events are indexed under it).
+        self.instance_id = f"optimum-qwen36-{uuid.uuid4().hex[:12]}"
 
     def start_serving(self, model: ServedModel) -> None:
         """Serve `model` from now on, its structured-output tables built first (seconds: here, not on the
@@ -43,7 +49,8 @@ class OpenAIServer:
         return self.model
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.served_model_name:
+        """A request names the served model or none (sglang-router names none `unknown`)."""
+        if name not in (None, self.settings.served_model_name, ROUTER_NO_MODEL):
             raise OpenAIError(
                 404,
                 f"The model `{name}` does not exist: this server serves `{self.settings.served_model_name}`.",

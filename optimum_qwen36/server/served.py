@@ -28,6 +28,12 @@ class ServedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # Reads chat requests' image parts; None: the model takes text only.
     images: ImageReader | None = None
+    # What the checkpoint's config says it is (routers read it: SGLang's /model_info).
+    model_type: str = "qwen3_5"
+    architectures: tuple[str, ...] = ()
+    tp_degree: int = 1
+    block_size: int = 64  # tokens per KV block, the unit of prefix caching and of KV events
+    prefix_caching: bool = True
 
 
 @dataclass
