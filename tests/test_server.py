@@ -569,6 +569,32 @@ def test_models_tokenize_detokenize(server, client) -> None:
     assert json.loads(body)["count"] > len(tokens)
 
 
+def test_render_gives_the_prompt_the_request_would_run(server, client) -> None:
+    """vLLM's render endpoints (vllm-router's cache-aware policies read them): the token ids a request
+    would run, the same the chat runs, and its sampling parameters; nothing is generated."""
+    body = {"model": MODEL, "messages": GREETING, "temperature": 0.5, "max_tokens": 7, **NO_THINKING}
+    status, _, payload = server.request("POST", "/v1/chat/completions/render", body)
+    rendered = json.loads(payload)
+    assert status == 200 and rendered["model"] == MODEL
+    assert rendered["sampling_params"]["temperature"] == 0.5 and rendered["sampling_params"]["max_tokens"] == 7
+    tokenized = server.request("POST", "/tokenize", {"messages": GREETING, **NO_THINKING})
+    assert rendered["token_ids"] == json.loads(tokenized[2])["tokens"]
+    ran = chat(client, GREETING, max_tokens=1, extra_body=NO_THINKING)
+    assert ran.usage.prompt_tokens == len(rendered["token_ids"])
+
+    status, _, payload = server.request(
+        "POST", "/v1/completions/render", {"prompt": [[9707, 1879], [5, 6, 7]], "n": 2, "max_tokens": 3}
+    )
+    first, second = json.loads(payload)
+    assert status == 200 and first["token_ids"] == [9707, 1879] and second["token_ids"] == [5, 6, 7]
+    assert first["sampling_params"]["n"] == 2
+    status, _, payload = server.request("POST", "/v1/completions/render", {"prompt": "Hello world"})
+    tokenized = server.request("POST", "/tokenize", {"prompt": "Hello world"})
+    assert json.loads(payload)[0]["token_ids"] == json.loads(tokenized[2])["tokens"]
+    status, _, payload = server.request("POST", "/v1/completions/render", {"prompt": "x", "model": "gpt-9"})
+    assert status == 404
+
+
 def test_text_content_parts_render_as_their_text(server) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"text": "world"}]}]
     whole = [{"role": "user", "content": "Hello world"}]

@@ -25,8 +25,8 @@ from pydantic import BaseModel
 
 from .. import __version__
 from . import model_endpoints, replica_endpoints
-from .chat_completions import create_chat_completion
-from .completions import create_completion
+from .chat_completions import create_chat_completion, render_chat_completion
+from .completions import create_completion, render_completion
 from .errors import OpenAIError, install_error_handlers
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -150,6 +150,14 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     @app.post("/v1/chat/completions", **generating(ChatCompletion, "ChatCompletionChunk bodies, then [DONE]"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
+
+    @app.post("/v1/completions/render", **api)
+    async def completions_render(body: CompletionRequest) -> list[dict[str, Any]]:
+        return await render_completion(server, body)
+
+    @app.post("/v1/chat/completions/render", **api)
+    async def chat_completions_render(body: ChatCompletionRequest) -> dict[str, Any]:
+        return await render_chat_completion(server, body)
 
     @app.post("/v1/responses", **generating(ResponseObject, "the Responses API's typed events"))
     async def responses(body: ResponsesRequest, request: Request) -> Response:

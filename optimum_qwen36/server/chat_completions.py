@@ -20,6 +20,7 @@ from .errors import bad_request
 from .openai_server import OpenAIServer
 from .protocol import ChatCompletionRequest, NamedToolChoice
 from .reasoning import prompt_opens_reasoning
+from .render import generate_request
 from .responses import Choice, ChoicesResponse, token_usage
 from .served import ServedModel
 from .tool_grammar import forced_tool_grammar
@@ -41,10 +42,18 @@ async def create_chat_completion(
     server: OpenAIServer, body: ChatCompletionRequest, request: Request
 ) -> Response:
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    server.admit(body.n)  # before the grammars are built
     prepared = await prepare_chat(server, body, response_id)
     runs = server.run_choices(prepared.requests)
     response = _ChatCompletionResponse(server, response_id, body, prepared.choices, prepared.parsers)
     return await response.respond(request, runs)
+
+
+async def render_chat_completion(server: OpenAIServer, body: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's /v1/chat/completions/render: what the request would run, without running it."""
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    prepared = await prepare_chat(server, body, response_id)
+    return generate_request(server, response_id, prepared.requests[0], body)
 
 
 async def prepare_chat(server: OpenAIServer, body: ChatCompletionRequest, response_id: str) -> PreparedChat:
@@ -72,7 +81,6 @@ async def prepare_chat(server: OpenAIServer, body: ChatCompletionRequest, respon
     prompt_ids = server.check_ids(token_ids, "messages")
     in_reasoning = prompt_opens_reasoning(chat_prompt.text)
     gate = server.reasoning_gate(body) if in_reasoning else None
-    server.admit(body.n)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs and not body.logprobs:

@@ -15,10 +15,30 @@ from ..engine import EngineRequest, RequestOutput
 from .errors import bad_request
 from .openai_server import OpenAIServer
 from .protocol import CompletionRequest
+from .render import generate_request
 from .responses import Choice, ChoicesResponse, token_usage
 
 
 async def create_completion(server: OpenAIServer, body: CompletionRequest, request: Request) -> Response:
+    prompts = _checked_prompts(server, body)
+    server.admit(len(prompts) * body.n)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = await _engine_requests(server, body, prompts, response_id)
+    choices = [Choice(index, list(r.prompt_ids)) for index, r in enumerate(requests)]
+    runs = server.run_choices(requests)
+    response = _CompletionResponse(server, response_id, body, choices, prompts)
+    return await response.respond(request, runs)
+
+
+async def render_completion(server: OpenAIServer, body: CompletionRequest) -> list[dict[str, Any]]:
+    """vLLM's /v1/completions/render: what each prompt of the request would run, without running it."""
+    prompts = _checked_prompts(server, body)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = await _engine_requests(server, body, prompts, response_id)
+    return [generate_request(server, response_id, r, body) for r in requests[:: body.n]]
+
+
+def _checked_prompts(server: OpenAIServer, body: CompletionRequest) -> list[list[int]]:
     server.ready()
     server.check_model(body.model)
     server.check_stream_options(body)
@@ -26,10 +46,14 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
         raise bad_request("suffix is not supported by this model.", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (only best_of == n).", "best_of")
-    prompts = _prompt_ids(server, body)
-    server.admit(len(prompts) * body.n)
-    response_id = f"cmpl-{uuid.uuid4().hex}"
-    choices, requests = [], []
+    return _prompt_ids(server, body)
+
+
+async def _engine_requests(
+    server: OpenAIServer, body: CompletionRequest, prompts: list[list[int]], response_id: str
+) -> list[EngineRequest]:
+    """One engine request per prompt and choice, choice j of prompt p at index p * n + j."""
+    requests = []
     for p, prompt_ids in enumerate(prompts):
         for j in range(body.n):
             index = p * body.n + j
@@ -43,11 +67,8 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
                 prompt_logprobs=body.logprobs if body.echo else None,
             )
             constraint = await asyncio.to_thread(server.response_constraint, body, None)
-            choices.append(Choice(index, prompt_ids))
             requests.append(EngineRequest(prompt_ids, params, f"{response_id}-{index}", constraint))
-    runs = server.run_choices(requests)
-    response = _CompletionResponse(server, response_id, body, choices, prompts)
-    return await response.respond(request, runs)
+    return requests
 
 
 def _prompt_ids(server: OpenAIServer, body: CompletionRequest) -> list[list[int]]:

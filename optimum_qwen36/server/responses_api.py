@@ -64,6 +64,7 @@ class ResponsesAPI:
         history = self._history(body.previous_response_id)
         messages = history + _chat_messages(body.input)
         response_id = f"resp_{uuid.uuid4().hex}"
+        server.admit(1)  # before the grammars are built
         prepared = await prepare_chat(
             server, _chat_request(body, messages, server.settings.served_model_name), response_id
         )
