@@ -576,7 +576,8 @@ def test_render_gives_the_prompt_the_request_would_run(server, client) -> None:
     status, _, payload = server.request("POST", "/v1/chat/completions/render", body)
     rendered = json.loads(payload)
     assert status == 200 and rendered["model"] == MODEL
-    assert rendered["sampling_params"]["temperature"] == 0.5 and rendered["sampling_params"]["max_tokens"] == 7
+    params = rendered["sampling_params"]
+    assert params["temperature"] == 0.5 and params["max_tokens"] == 7
     tokenized = server.request("POST", "/tokenize", {"messages": GREETING, **NO_THINKING})
     assert rendered["token_ids"] == json.loads(tokenized[2])["tokens"]
     ran = chat(client, GREETING, max_tokens=1, extra_body=NO_THINKING)
