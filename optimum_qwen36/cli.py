@@ -218,8 +218,11 @@ def _images_per_prompt(limit: str) -> int:
 
 def serve_app(args: argparse.Namespace) -> FastAPI:
     """The app `serve` runs for its parsed arguments; it loads (or exports) the model once started."""
+    import pydantic
+
     from .server import ServedModel, ServerSettings, build_app, served_model
     from .server.images import ImageLimits
+    from .server.kv_events import KVEventsConfig
 
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
@@ -237,12 +240,20 @@ def serve_app(args: argparse.Namespace) -> FastAPI:
         allowed_media_domains=tuple(args.allowed_media_domains),
     )
 
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KVEventsConfig.model_validate_json(args.kv_events_config)
+        except pydantic.ValidationError as error:
+            raise SystemExit(f"--kv-events-config: {error}") from None
+
     def load() -> ServedModel:
         return served_model(
             _load(args),
             prefix_caching=args.prefix_caching,
             max_num_batched_tokens=args.max_num_batched_tokens,
             image_limits=limits,
+            kv_events=kv_events,
         )
 
     return build_app(load, settings)
@@ -373,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the image processor's settings, as vLLM takes them: '{\"max_pixels\": 1003520}' scales larger "
         "images down",
+    )
+    serve.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish the prefix cache's KV events for KV-aware routers, as vLLM's flag takes them: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/SCALING.md)',
     )
     serve.add_argument(
         "--max-waiting-requests", type=int, default=256, help="queued requests beyond these get a 503"

@@ -15,6 +15,8 @@ import torch
 
 from optimum_qwen36.prefix_caching import (
     BlockPool,
+    BlocksRemoved,
+    BlocksStored,
     CachedSequence,
     GDNCheckpoint,
     GDNStateSpec,
@@ -526,3 +528,58 @@ def test_corrupted_checkpoint_is_never_used(fault):
     s = cache.stats()
     assert s["checkpoints_invalid"] == 1
     assert run(cache, p).cached_tokens == 256  # the bad one was replaced by a fresh snapshot
+
+
+# ---------------------------------------------------------------- events for routers
+def announced_prefix(index: dict[int, tuple[int | None, tuple[int, ...]]], tokens: list[int]) -> int:
+    """The longest prefix of `tokens` a router indexing the events sees stored: a chain of announced
+    blocks from the start, each one's tokens matching (as vllm-router's index matches them)."""
+    by_parent_and_tokens = {(parent, block): h for h, (parent, block) in index.items()}
+    parent, length = None, 0
+    while length + BS <= len(tokens):
+        block = tuple(tokens[length : length + BS])
+        h = by_parent_and_tokens.get((parent, block))
+        if h is None:
+            break
+        parent, length = h, length + BS
+    return length
+
+
+def apply_events(cache: PrefixCache, index: dict[int, tuple[int | None, tuple[int, ...]]]) -> None:
+    for event in cache.take_events():
+        if isinstance(event, BlocksStored):
+            parent = event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                index[h] = (parent, event.token_ids[i * BS : (i + 1) * BS])
+                parent = h
+        else:
+            assert isinstance(event, BlocksRemoved)
+            for h in event.block_hashes:
+                del index[h]
+
+
+def test_events_announce_the_prefixes_a_checkpoint_makes_reusable():
+    cache = make_cache(checkpoint_interval=0)
+    assert cache.take_events() == []  # nothing recorded until asked
+    cache.record_events()
+    index: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+    base = toks(150, seed=2)
+    a = [*base, *toks(60, seed=3)]
+    run(cache, a)
+    (stored,) = cache._events
+    assert isinstance(stored, BlocksStored) and stored.parent_block_hash is None
+    assert stored.token_ids == tuple(a[:192]) and len(stored.block_hashes) == 3  # the checkpoint at 192
+    apply_events(cache, index)
+    # Prompts branching off: what a router reading the events sees stored is what the cache reuses.
+    for seed in (4, 5, 6):
+        prompt = [*base, *toks(70, seed=seed)]
+        expected = announced_prefix(index, prompt)
+        assert run(cache, prompt).cached_tokens in (expected, 0)  # the first sibling stores the branch point
+        apply_events(cache, index)
+    for seed in (7, 8):
+        prompt = [*base, *toks(90, seed=seed)]
+        assert announced_prefix(index, prompt) == 128 == run(cache, prompt).cached_tokens
+        apply_events(cache, index)
+    cache.clear()
+    apply_events(cache, index)
+    assert index == {}  # every announced block was announced removed

@@ -538,6 +538,62 @@ def test_metrics_under_vllm_names_agree_with_ours(server, client) -> None:
     assert families["vllm:prefix_cache_hits"].type == "counter"
 
 
+def test_kv_events_announce_what_the_replica_can_reuse(model) -> None:
+    """--kv-events-config: the prefix cache's stored prefixes go out in vLLM's wire format (ZMQ, msgpack
+    array batches of "type"-tagged maps), as /kv_event_sources says, and a subscriber that missed some
+    asks for them again."""
+    import msgspec
+    import zmq
+
+    from optimum_qwen36.server.kv_events import KVEventsConfig
+
+    publish, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=publish, replay_endpoint=replay, topic="kv"
+    )
+    settings = ServerSettings(MODEL, api_key=API_KEY)
+    running = RunningServer(build_app(lambda: served_model(model, kv_events=config), settings))
+    context = zmq.Context()
+    try:
+        running.wait_healthy()
+        status, _, body = running.request("GET", "/kv_event_sources")
+        assert status == 200 and json.loads(body)["0"]["endpoint"] == publish
+        subscriber = context.socket(zmq.SUB)
+        subscriber.connect(publish)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
+        # A SUB socket gets what is sent once it has joined: prompts go until one's events arrive.
+        prompts: list[tuple[int, ...]] = []
+        while not subscriber.poll(200):
+            assert len(prompts) < 50, "no KV event arrived"
+            prompt = list(range(7000 + 200 * len(prompts), 7200 + 200 * len(prompts)))
+            prompts.append(tuple(prompt[:192]))  # 200 tokens: the checkpoint at 192 makes 3 blocks reusable
+            running.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
+        topic, sequence, payload = subscriber.recv_multipart()
+        timestamp, events, rank = msgspec.msgpack.decode(payload)
+        assert topic == b"kv" and rank == 0 and abs(timestamp - time.time()) < 60
+        (stored,) = [event for event in events if event["type"] == "BlockStored"]
+        assert tuple(stored["token_ids"]) in prompts and len(stored["block_hashes"]) == 3
+        assert stored["parent_block_hash"] is None and stored["block_size"] == 64
+
+        # A subscriber that missed batches asks for them from a sequence number: all of them, then -1.
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            assert dealer.poll(5000), "the replay did not end"
+            _, number, batch = dealer.recv_multipart()
+            if number == (-1).to_bytes(8, "big", signed=True):
+                break
+            replayed.append((number, batch))
+        assert replayed[0][0] == (0).to_bytes(8, "big") and (sequence, payload) in replayed
+        first = msgspec.msgpack.decode(replayed[0][1])[1][0]
+        assert tuple(first["token_ids"]) == prompts[0]
+    finally:
+        context.destroy(linger=0)
+        running.stop()
+
+
 def metric_values(server) -> dict[str, float]:
     status, _, body = server.request("GET", "/metrics")
     assert status == 200

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from ..prefix_caching import PrefixCacheEvent
 from .engine import Engine
 from .request import EngineRequest, RequestOutput
 
@@ -69,6 +70,7 @@ class EngineLoop:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._event_sink: Callable[[list[PrefixCacheEvent]], None] | None = None
         self._lock = threading.Lock()  # orders submissions against the loop's end
         self._stopping = threading.Event()
         self._dead = False
@@ -123,6 +125,16 @@ class EngineLoop:
 
         self._command(_Command(run, done.set_exception))
         return done.result()
+
+    def publish_prefix_cache_events(self, sink: Callable[[list[PrefixCacheEvent]], None]) -> None:
+        """From now on, after each step, hand `sink` (on the loop thread) what the prefix cache stored and
+        evicted during it (a replica's KV events, for routers)."""
+
+        def start() -> None:
+            self.engine.prefix_cache.record_events()
+            self._event_sink = sink
+
+        self.call(lambda _: start())
 
     def shutdown(self) -> None:
         """Stop the loop: requests in flight end with EngineDeadError."""
@@ -184,6 +196,10 @@ class EngineLoop:
         for output in outputs:
             sink = self._sinks.pop(output.request_id) if output.finished else self._sinks[output.request_id]
             self._deliver(output.request_id, sink, output)
+        if self._event_sink is not None:
+            events = self.engine.prefix_cache.take_events()
+            if events:
+                self._event_sink(events)
 
     def _deliver(self, request_id: str, sink: Sink, item: _Item) -> None:
         """Hand an output to its reader; a reader that cannot take it (its event loop closed) is gone, so

@@ -3,18 +3,22 @@
 from .block_pool import BlockPool
 from .build import build_prefix_cache
 from .checkpoint import GDNCheckpoint, GDNStateSpec, layer_checksums
+from .events import BlocksRemoved, BlocksStored, PrefixCacheEvent
 from .hashing import block_key, chain_keys, root_key
 from .manager import KERNEL_CHUNK, CachedSequence, KVBlocksExhausted, PrefixCache, PrefixCacheConfig
 
 __all__ = [
     "KERNEL_CHUNK",
     "BlockPool",
+    "BlocksRemoved",
+    "BlocksStored",
     "CachedSequence",
     "GDNCheckpoint",
     "GDNStateSpec",
     "KVBlocksExhausted",
     "PrefixCache",
     "PrefixCacheConfig",
+    "PrefixCacheEvent",
     "block_key",
     "build_prefix_cache",
     "chain_keys",

@@ -39,6 +39,7 @@ import torch
 
 from .block_pool import BlockPool
 from .checkpoint import GDNCheckpoint, GDNStateSpec
+from .events import BlocksRemoved, BlocksStored, PrefixCacheEvent, block_hash
 from .hashing import block_key, chain_keys, root_key
 
 logger = logging.getLogger(__name__)
@@ -85,9 +86,11 @@ class _Node:
     parent: _Node | None
     block: int
     depth: int
+    tokens: tuple[int, ...]
     children: int = 0
     checkpoint: GDNCheckpoint | None = None
     last_used: int = 0
+    announced: bool = False  # a BlocksStored event named it (recorded events only)
 
 
 @dataclass(eq=False)
@@ -166,6 +169,7 @@ class PrefixCache:
         self._ckpt_bytes = 0
         self._tail_bytes = 0
         self._num_checkpoints = 0
+        self._events: list[PrefixCacheEvent] | None = None  # recorded once record_events() is called
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -331,7 +335,9 @@ class PrefixCache:
             else:
                 if not self._make_room(self.kv_bytes_per_block):
                     return  # over budget with nothing evictable: retry at the next commit
-                node = _Node(key, parent, seq.block_ids[i], i + 1)
+                node = _Node(
+                    key, parent, seq.block_ids[i], i + 1, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                )
                 self._nodes[key] = node
                 self._node_of_block[node.block] = node
                 if parent is not None:
@@ -414,6 +420,17 @@ class PrefixCache:
             pass
 
     # ------------------------------------------------------------------ observability
+    def record_events(self) -> None:
+        """From now on, record which reusable blocks are stored and removed (take_events() drains them)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[PrefixCacheEvent]:
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
     def stats(self) -> dict[str, int | float]:
         c = dict(self._counters)
         c["hit_rate"] = c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
@@ -459,11 +476,30 @@ class PrefixCache:
         return node
 
     def _attach(self, node: _Node, ckpt: GDNCheckpoint) -> None:
+        if self._events is not None:
+            self._announce_path(node)
         node.checkpoint = ckpt
         self._ckpt_bytes += ckpt.nbytes
         self._num_checkpoints += 1
         self._counters["checkpoints_stored"] += 1
         self._touch_checkpoint(ckpt)
+
+    def _announce_path(self, node: _Node) -> None:
+        """A BlocksStored event for the blocks up to `node` not yet announced (now reusable up to it)."""
+        path = []
+        while node is not None and not node.announced:
+            node.announced = True
+            path.append(node)
+            node = node.parent
+        if path:
+            path.reverse()
+            self._events.append(
+                BlocksStored(
+                    tuple(block_hash(n.key) for n in path),
+                    None if node is None else block_hash(node.key),
+                    tuple(t for n in path for t in n.tokens),
+                )
+            )
 
     def _keep_tail(
         self, seq: CachedSequence, num_computed: int, conv: torch.Tensor, recurrent: torch.Tensor
@@ -648,6 +684,8 @@ class PrefixCache:
         if node.checkpoint is not None:  # its KV prefix is going: the state is useless without it
             self._drop_checkpoint(node)
             self._counters["checkpoints_evicted"] += 1
+        if node.announced and self._events is not None:
+            self._events.append(BlocksRemoved((block_hash(node.key),)))
         del self._nodes[node.key]
         del self._node_of_block[node.block]
         if node.parent is not None:

@@ -73,6 +73,8 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
         yield
         if server.model is not None:
             await asyncio.to_thread(server.model.engine.shutdown)
+            if server.model.kv_event_publisher is not None:
+                await asyncio.to_thread(server.model.kv_event_publisher.close)
 
     app = FastAPI(title="optimum-qwen36", version=__version__, lifespan=lifespan)
     app.state.server = server
@@ -122,6 +124,10 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     @app.get("/get_load", responses=replica)
     async def get_load() -> list[dict[str, Any]]:
         return await replica_endpoints.load(server)
+
+    @app.get("/kv_event_sources", responses=replica)
+    async def kv_event_sources() -> dict[str, Any]:
+        return replica_endpoints.kv_event_sources(server)
 
     @app.get("/v1/models", response_model=ModelList, **api)
     async def models() -> dict[str, Any]:

@@ -9,6 +9,7 @@ from ..engine import AsyncEngine
 from ..modeling.causal_lm import NeuronQwen36ForCausalLM
 from ..tokenizer import load_qwen36_tokenizer
 from .images import ImageLimits, ImageReader
+from .kv_events import KVEventPublisher, KVEventsConfig
 from .served import GENERATION_DEFAULTS, ServedModel
 
 
@@ -19,9 +20,13 @@ def served_model(
     prefix_caching: bool = True,
     max_num_batched_tokens: int | None = None,
     image_limits: ImageLimits | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> ServedModel:
     """Start an engine over `model` and describe it. Prefix caching is on unless turned off, as in vLLM,
-    whether or not the model was exported with it: it changes the engine's KV block pool, not the graphs."""
+    whether or not the model was exported with it: it changes the engine's KV block pool, not the graphs.
+    With `kv_events` publishing, the prefix cache's events go out as a replica's KV events."""
+    if kv_events is not None and kv_events.publishes and not prefix_caching:
+        raise ValueError("KV events describe the prefix cache: they need prefix caching on.")
     tokenizer = tokenizer if tokenizer is not None else load_qwen36_tokenizer(model.tokenizer_dir)
     engine = model.create_engine(
         tokenizer=tokenizer, prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens
@@ -34,8 +39,13 @@ def served_model(
         limits = image_limits or ImageLimits()
         images = ImageReader(model.tokenizer_dir, config.vision_config, config.image_token_id, limits)
     checkpoint_config = getattr(model, "checkpoint_config", model.config)
+    async_engine = AsyncEngine(engine)
+    publisher = None
+    if kv_events is not None and kv_events.publishes:
+        publisher = KVEventPublisher(kv_events, engine.cache.block_size)
+        async_engine.loop.publish_prefix_cache_events(publisher.publish)
     return ServedModel(
-        engine=AsyncEngine(engine),
+        engine=async_engine,
         end_token_ids=tuple(engine.eos_token_ids),
         tokenizer=tokenizer,
         max_model_len=model.neuron_config.sequence_length,
@@ -49,4 +59,6 @@ def served_model(
         tp_degree=model.neuron_config.tp_degree,
         block_size=engine.cache.block_size,
         prefix_caching=prefix_caching,
+        kv_events=kv_events if publisher is not None else None,
+        kv_event_publisher=publisher,
     )

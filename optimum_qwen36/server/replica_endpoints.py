@@ -1,6 +1,7 @@
 """What routers read of a replica, in the shapes their own engines serve: SGLang's /model_info and
 /server_info (also under their older /get_ names), from which sglang-router learns the served model's name,
-and /get_load, the load its power-of-two policy compares."""
+/get_load, the load its power-of-two policy compares, and /kv_event_sources, where vllm-router's kv_aware
+policy subscribes to the replica's KV events."""
 
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ def server_info(server: OpenAIServer) -> dict[str, Any]:
         "tp_size": model.tp_degree,
         "dp_size": 1,
         "page_size": model.block_size,
-        "block_size": model.block_size,
         "context_length": model.max_model_len,
         "max_running_requests": model.max_num_seqs,
         "max_queued_requests": server.settings.max_waiting_requests,
@@ -65,3 +65,9 @@ async def load(server: OpenAIServer) -> list[dict[str, Any]]:
             "num_tokens": round(used_share * stats["blocks"]) * stats["block_size"],  # KV tokens held
         }
     ]
+
+
+def kv_event_sources(server: OpenAIServer) -> dict[str, Any]:
+    """The KV event publishers by data-parallel rank (one, or none without --kv-events-config)."""
+    config = server.ready().kv_events
+    return {} if config is None else {"0": config.source()}

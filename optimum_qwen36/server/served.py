@@ -8,6 +8,7 @@ from typing import Any
 
 from ..engine import AsyncEngine
 from .images import ImageReader
+from .kv_events import KVEventPublisher, KVEventsConfig
 
 # Sampling fields a model's generation_config.json may set as defaults (vLLM applies the same ones).
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -34,6 +35,9 @@ class ServedModel:
     tp_degree: int = 1
     block_size: int = 64  # tokens per KV block, the unit of prefix caching and of KV events
     prefix_caching: bool = True
+    # Where this replica publishes its KV events (None: it does not).
+    kv_events: KVEventsConfig | None = None
+    kv_event_publisher: KVEventPublisher | None = None
 
 
 @dataclass
