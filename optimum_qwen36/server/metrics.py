@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,6 +20,15 @@ VLLM_PREFIX = "vllm:"
 FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    finish_reason: str
+    prompt_tokens: int
+    token_times: list[float]  # when each generated token was seen (time.monotonic())
+    arrival_time: float
+    end_time: float
 
 
 class ServerMetrics:
@@ -79,16 +89,9 @@ class ServerMetrics:
         self.vllm_engine = _VLLMEngineMetrics(model_name)
         self.registry.register(self.vllm_engine)
 
-    def request_finished(
-        self,
-        finish_reason: str,
-        prompt_tokens: int,
-        token_times: list[float],
-        arrival_time: float,
-        end_time: float,
-    ) -> None:
+    def request_finished(self, request: FinishedRequest) -> None:
         for metrics in self.finished:
-            metrics.record(finish_reason, prompt_tokens, token_times, arrival_time, end_time)
+            metrics.record(request)
 
     def render(self, stats: dict[str, Any] | None) -> bytes:
         """The Prometheus text, with the engine gauges set from `stats` (Engine.stats(); None while the model
@@ -154,22 +157,15 @@ class _FinishedRequests:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
 
-    def record(
-        self,
-        finish_reason: str,
-        prompt_tokens: int,
-        token_times: list[float],
-        arrival_time: float,
-        end_time: float,
-    ) -> None:
+    def record(self, request: FinishedRequest) -> None:
         model = self.model_name
-        self.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.generation_tokens.labels(model).inc(len(token_times))
-        self.request_success.labels(model, finish_reason).inc()
-        self.e2e.labels(model).observe(end_time - arrival_time)
-        if token_times:
-            self.ttft.labels(model).observe(token_times[0] - arrival_time)
-            for before, after in itertools.pairwise(token_times):
+        self.prompt_tokens.labels(model).inc(request.prompt_tokens)
+        self.generation_tokens.labels(model).inc(len(request.token_times))
+        self.request_success.labels(model, request.finish_reason).inc()
+        self.e2e.labels(model).observe(request.end_time - request.arrival_time)
+        if request.token_times:
+            self.ttft.labels(model).observe(request.token_times[0] - request.arrival_time)
+            for before, after in itertools.pairwise(request.token_times):
                 self.tpot.labels(model).observe(after - before)
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from ..engine import AsyncEngine, EngineDeadError, EngineRequest, RequestOutput
 from .errors import OpenAIError, bad_request
-from .metrics import ServerMetrics
+from .metrics import FinishedRequest, ServerMetrics
 
 
 class EngineRun:
@@ -43,7 +43,8 @@ class EngineRun:
                     if output.finished and output.finish_reason is not None:
                         end = time.monotonic()
                         reason = output.finish_reason.value
-                        metrics.request_finished(reason, len(request.prompt_ids), times, arrival, end)
+                        finished = FinishedRequest(reason, len(request.prompt_ids), times, arrival, end)
+                        metrics.request_finished(finished)
                     yield output
         except ValueError as error:
             if times:  # a failure mid-generation is the server's, not the request's
