@@ -13,14 +13,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_VISION_TOKENS
+from conftest import QWEN_VISION_TOKENS, TINY_VISION_TOKENS, save_tiny_checkpoint
+from running_server import API_KEY, RunningServer
 from transformers.generation.logits_process import LogitsProcessor
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM
+from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
 from optimum_qwen36.engine.request import Request
 from optimum_qwen36.engine.speculative import MTPDrafter
 from optimum_qwen36.network.cache import CacheStorage
 from optimum_qwen36.ops.native import BF16_FLAGS, cpu_flags
+from optimum_qwen36.server import ServerSettings, build_app, served_model
+from optimum_qwen36.server.images import ImageLimits
 
 # A query's bf16 attention is bitwise the same in a prefill chunk and alone, and a bf16 linear layer's row
 # the same in a prefill call and in a decode step, with the native kernels built for AVX-512 BF16 (and so a
@@ -246,3 +249,24 @@ def image_tokens(grid: tuple[int, int, int]) -> list[int]:
     expanded to one token per 2x2 merged patch, between the vision delimiters."""
     start, end = TINY_VISION_TOKENS["vision_start_token_id"], TINY_VISION_TOKENS["vision_end_token_id"]
     return [start] + [TINY_VISION_TOKENS["image_token_id"]] * (grid[0] * grid[1] * grid[2] // 4) + [end]
+
+
+def serve_tiny_vision_model(
+    directory: Path, served_model_name: str
+) -> tuple[RunningServer, NeuronQwen36ForConditionalGeneration]:
+    """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, written to `directory`
+    and served (eager, float32, two images a prompt at most) with the test API key."""
+    save_tiny_checkpoint(
+        directory, layout="conditional", seed=4, vision_tokens=QWEN_VISION_TOKENS, vocab_size=248_320
+    )
+    settings = dict(
+        backend="eager", dtype="float32", batch_size=2, sequence_length=256, prefill_chunk_size=32
+    )
+    model = NeuronQwen36ForConditionalGeneration.from_pretrained(directory, export=True, **settings)
+    limits = ImageLimits(max_images_per_prompt=2)
+    app = build_app(
+        lambda: served_model(model, image_limits=limits), ServerSettings(served_model_name, api_key=API_KEY)
+    )
+    running = RunningServer(app)
+    running.wait_healthy()
+    return running, model

@@ -17,8 +17,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import QWEN_VISION_TOKENS, TINY_VISION_TOKENS, save_tiny_checkpoint
-from helpers import image_patches, image_tokens
+from conftest import TINY_VISION_TOKENS, save_tiny_checkpoint
+from helpers import image_patches, image_tokens, serve_tiny_vision_model
 from PIL import Image
 from running_server import API_KEY, RunningServer
 from transformers import Qwen3_5ForConditionalGeneration
@@ -27,7 +27,6 @@ from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGe
 from optimum_qwen36.cli import _images_per_prompt, build_parser
 from optimum_qwen36.engine import EngineRequest, SamplingParams
 from optimum_qwen36.network.vision import ImageInput, Qwen36VisionModel
-from optimum_qwen36.server import ServerSettings, build_app, served_model
 from optimum_qwen36.server.errors import OpenAIError
 from optimum_qwen36.server.images import ImageLimits, ImageReader
 from optimum_qwen36.tokenizer import load_qwen36_tokenizer
@@ -296,21 +295,7 @@ def test_an_image_url_is_fetched_only_from_an_allowed_domain(checkpoint, tmp_pat
 # ------------------------------------------------------------------------------------------ the server
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Any]]:
-    """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, served (eager)."""
-    directory, _ = save_tiny_checkpoint(
-        tmp_path_factory.mktemp("served") / "ckpt",
-        layout="conditional",
-        seed=4,
-        vision_tokens=QWEN_VISION_TOKENS,
-        vocab_size=248_320,
-    )
-    model = NeuronQwen36ForConditionalGeneration.from_pretrained(
-        directory, export=True, **{**SETTINGS, "sequence_length": 256, "prefill_chunk_size": 32}
-    )
-    limits = ImageLimits(max_images_per_prompt=2)
-    settings = ServerSettings("tiny-vision", api_key=API_KEY)
-    running = RunningServer(build_app(lambda: served_model(model, image_limits=limits), settings))
-    running.wait_healthy()
+    running, model = serve_tiny_vision_model(tmp_path_factory.mktemp("served") / "ckpt", "tiny-vision")
     yield running, model
     running.stop()
 

@@ -16,15 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 from chat_model import CONVERSATIONS, WEATHER_ARGUMENTS, WEATHER_TOOL, cached_chat_checkpoint
-from conftest import QWEN_VISION_TOKENS, save_tiny_checkpoint
+from helpers import serve_tiny_vision_model
 from PIL import Image
 from running_server import API_KEY, RunningServer
 from web_page import EXPECT_TIMEOUT_MS, ChatPage, launch_chromium, missing_browser
 
-from optimum_qwen36 import NeuronQwen36ForCausalLM, NeuronQwen36ForConditionalGeneration
+from optimum_qwen36 import NeuronQwen36ForCausalLM
 from optimum_qwen36.cli import build_parser, serve_app
 from optimum_qwen36.server import ServerSettings, build_app, served_model
-from optimum_qwen36.server.images import ImageLimits
 from optimum_qwen36.server.web_ui import CONTENT_SECURITY_POLICY
 
 MODEL = "tiny-chat"
@@ -381,25 +380,7 @@ def png(seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """A random vision-language checkpoint with Qwen's vocabulary and vision tokens, served (eager), two
-    images a prompt at most."""
-    directory, _ = save_tiny_checkpoint(
-        tmp_path_factory.mktemp("vision") / "ckpt",
-        layout="conditional",
-        seed=4,
-        vision_tokens=QWEN_VISION_TOKENS,
-        vocab_size=248_320,
-    )
-    settings = dict(
-        backend="eager", dtype="float32", batch_size=2, sequence_length=256, prefill_chunk_size=32
-    )
-    model = NeuronQwen36ForConditionalGeneration.from_pretrained(directory, export=True, **settings)
-    limits = ImageLimits(max_images_per_prompt=2)
-    app = build_app(
-        lambda: served_model(model, image_limits=limits), ServerSettings(VISION_MODEL, api_key=API_KEY)
-    )
-    running = RunningServer(app)
-    running.wait_healthy()
+    running, _ = serve_tiny_vision_model(tmp_path_factory.mktemp("vision") / "ckpt", VISION_MODEL)
     yield running
     running.stop()
 
