@@ -48,11 +48,7 @@ def packed_cases(runner: ModelRunner, cases: list[tuple[int, int]], repeats: int
         runs = alternate(
             {
                 "packed": wall(lambda chunks=chunks: runner.prefill_packed(chunks)),
-                "one per call": wall(
-                    lambda chunks=chunks: [
-                        runner.prefill(c.tokens, c.start, c.slot, c.block_table) for c in chunks
-                    ]
-                ),
+                "one per call": wall(lambda chunks=chunks: [runner.prefill(c) for c in chunks]),
             },
             repeats,
         )
@@ -69,7 +65,7 @@ def decode_call(runner: ModelRunner, rows: int, context: int, repeats: int) -> d
     for slot in range(rows):  # each row's context
         for start in range(0, context, runner.prefill_chunk_size):
             tokens = torch.randint(1, 1000, (min(runner.prefill_chunk_size, context - start),))
-            runner.prefill(tokens, start, slot, tables[slot])
+            runner.prefill(PackedChunk(tokens, start, slot, tables[slot]))
     slots = torch.arange(rows)
     step = wall(
         lambda: runner.decode(

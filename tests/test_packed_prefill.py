@@ -67,12 +67,9 @@ def assert_packed_equals_one_per_call(model, atol: float) -> None:
     for packed in (True, False):
         runner = _runner(model)
         tables = runner.cache.row_block_tables()
-        runner.prefill(prefix, 0, 0, tables[0])
+        runner.prefill(PackedChunk(prefix, 0, 0, tables[0]))
         chunks = [PackedChunk(tokens, start, slot, tables[slot]) for tokens, start, slot in plans]
-        if packed:
-            logits = runner.prefill_packed(chunks)
-        else:
-            logits = torch.cat([runner.prefill(c.tokens, c.start, c.slot, c.block_table) for c in chunks])
+        logits = runner.prefill_packed(chunks) if packed else torch.cat([runner.prefill(c) for c in chunks])
         results.append((logits, runner.cache))
     (packed_logits, packed), (logits, alone) = results
     assert packed_logits.shape == (len(plans), model.config.vocab_size)
@@ -102,7 +99,7 @@ def assert_decode_rows_ride_along(model, atol: float) -> None:
         runner = _runner(model)
         tables = runner.cache.row_block_tables()
         for slot, prompt in prompts.items():
-            runner.prefill(prompt, 0, slot, tables[slot])
+            runner.prefill(PackedChunk(prompt, 0, slot, tables[slot]))
         decode_rows = [PackedChunk(fed[slot], 5, slot, tables[slot]) for slot in prompts]
         if packed:
             assert chunk + len(decode_rows) <= runner.max_packed_tokens
@@ -111,7 +108,7 @@ def assert_decode_rows_ride_along(model, atol: float) -> None:
             slots = torch.tensor(list(prompts))
             tokens = torch.tensor([fed[slot][0] for slot in prompts])
             decoded = runner.decode(tokens, torch.full((batch - 1,), 5), slots, tables[slots])
-            logits = torch.cat([runner.prefill(long, 0, 0, tables[0]), decoded])
+            logits = torch.cat([runner.prefill(PackedChunk(long, 0, 0, tables[0])), decoded])
         results.append((logits, runner.cache))
     (packed_logits, packed), (logits, alone) = results
     assert_close_to_largest(packed_logits, logits, atol)
@@ -135,18 +132,18 @@ def assert_snapshots_equal_chunks_ending_there(model, atol: float) -> None:
     runner = _runner(model)
     assert runner.cache.snapshot_slots == len(cuts) == model.backend.prefill_snapshots
     tables = runner.cache.row_block_tables()
-    runner.prefill(prefix, 0, 0, tables[0])
+    runner.prefill(PackedChunk(prefix, 0, 0, tables[0]))
     chunks = [PackedChunk(continued, 3, 0, tables[0], cuts), PackedChunk(other, 0, 1, tables[1])]
     packed_logits = runner.prefill_packed(chunks)
     snapshots = [tuple(t.clone() for t in runner.snapshot_state(i)) for i in range(len(cuts))]
 
     alone = _runner(model)
-    alone.prefill(prefix, 0, 0, tables[0])
+    alone.prefill(PackedChunk(prefix, 0, 0, tables[0]))
     expected = []
     for first, end in itertools.pairwise([3, *cuts, 14]):
-        logits = alone.prefill(continued[first - 3 : end - 3], first, 0, tables[0])
+        logits = alone.prefill(PackedChunk(continued[first - 3 : end - 3], first, 0, tables[0]))
         expected.append(tuple(t.clone() for t in alone.slot_state(0)))
-    logits = torch.cat([logits, alone.prefill(other, 0, 1, tables[1])])
+    logits = torch.cat([logits, alone.prefill(PackedChunk(other, 0, 1, tables[1]))])
     assert_close_to_largest(packed_logits, logits, atol)
     for got, want in zip(snapshots, expected[:-1], strict=True):
         assert_close_to_largest(got[0], want[0], atol)

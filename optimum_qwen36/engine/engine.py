@@ -498,21 +498,21 @@ class Engine:
     def _prefill(self, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunk's logits after its last token, and (speculative decoding) its hidden states."""
         request = chunk.request
-        args = (
+        run = PackedChunk(
             request.token_ids[chunk.start : chunk.end],
             chunk.start,
             self.scheduler.slot_of(request),
             self._table(request),
-            self._chunk_images(request, chunk.start, chunk.end),
+            images=self._chunk_images(request, chunk.start, chunk.end),
         )
         if request.needs_prompt_logprobs:  # chunks run in order: this one holds prompt positions
-            logits, hidden, positions = self.runner.prefill_positions(*args)
+            logits, hidden, positions = self.runner.prefill_positions(run)
             self._note_prompt_logprobs(request, chunk.start, positions)
             hidden = hidden if self.drafter is not None else None
         elif self.drafter is not None:
-            logits, hidden = self.runner.prefill_hidden(*args)
+            logits, hidden = self.runner.prefill_hidden(run)
         else:
-            logits, hidden = self.runner.prefill(*args), None
+            logits, hidden = self.runner.prefill(run), None
         self._computed(request, chunk.end)
         return logits, hidden
 

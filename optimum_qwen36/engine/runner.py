@@ -44,9 +44,9 @@ class ChunkImages:
 
 @dataclass
 class PackedChunk:
-    """One sequence's part of a packed prefill: its tokens at positions start.., its GDN slot, its block
-    table [max_blocks], and the positions inside it (start < p < start + len(tokens)) after which its GDN
-    state is kept (in the call's order: `ModelRunner.snapshot_state`)."""
+    """One sequence's chunk of a prefill (alone, or part of a packed one): its tokens at positions start..,
+    its GDN slot, its block table [max_blocks], the positions inside it (start < p < start + len(tokens))
+    after which its GDN state is kept (in the call's order: `ModelRunner.snapshot_state`), and its images."""
 
     tokens: Sequence[int] | torch.Tensor
     start: int
@@ -64,17 +64,9 @@ class ModelRunner:
         # The most tokens one packed prefill call takes.
         self.max_packed_tokens = prefill_chunk_size + (cache.batch_size if backend.decodes_in_prefill else 0)
 
-    def prefill(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        start: int,
-        slot: int,
-        block_table: torch.Tensor,
-        images: ChunkImages | None = None,
-    ) -> torch.Tensor:
-        """Compute `tokens` (at most one chunk) at positions start.. of the sequence in `slot`, whose blocks
-        are `block_table` [max_blocks]; returns the logits after the last one, [1, vocab]."""
-        chunk = PackedChunk(tokens, start, slot, block_table, images=images)
+    def prefill(self, chunk: PackedChunk) -> torch.Tensor:
+        """Compute one sequence's `chunk` (at most `prefill_chunk_size` tokens); returns the logits after its
+        last token, [1, vocab]."""
         return self.backend.prefill_chunk(
             *self._prefill_args(chunk), **self._chunk_images([chunk], self.prefill_chunk_size)
         )
@@ -124,32 +116,17 @@ class ModelRunner:
             **self._chunk_images(chunks, total),
         )
 
-    def prefill_hidden(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        start: int,
-        slot: int,
-        block_table: torch.Tensor,
-        images: ChunkImages | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_hidden(self, chunk: PackedChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill`, also returning the normed hidden states of the (padded) chunk, [1, chunk, hidden]."""
-        chunk = PackedChunk(tokens, start, slot, block_table, images=images)
         return self.backend.prefill_chunk_hidden(
             *self._prefill_args(chunk), **self._chunk_images([chunk], self.prefill_chunk_size)
         )
 
-    def prefill_positions(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        start: int,
-        slot: int,
-        block_table: torch.Tensor,
-        images: ChunkImages | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`prefill_hidden`, also returning the float32 logits after each of `tokens` [len(tokens), vocab]
+    def prefill_positions(self, chunk: PackedChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`prefill_hidden`, also returning the float32 logits after each of its tokens [len(tokens), vocab]
         (prompt log-probabilities)."""
-        logits, hidden = self.prefill_hidden(tokens, start, slot, block_table, images)
-        return logits, hidden, self.backend.position_logits(hidden[:, : len(tokens)])[0]
+        logits, hidden = self.prefill_hidden(chunk)
+        return logits, hidden, self.backend.position_logits(hidden[:, : len(chunk.tokens)])[0]
 
     def _prefill_args(self, chunk: PackedChunk) -> tuple[torch.Tensor, ...]:
         """A one-sequence prefill call's arguments: its tokens right-padded to the compiled chunk."""

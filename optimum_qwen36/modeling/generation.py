@@ -281,14 +281,15 @@ class GenerateMixin:
         placeholders = torch.tensor(encoder.placeholder_ids)
         per_row = []
         for index, row in enumerate(rows):
-            needed, taken = int(torch.isin(row, placeholders).sum()), []
-            while sum(image.num_tokens(encoder.spatial_merge_size) for image in taken) < needed:
+            needed, covered, taken = int(torch.isin(row, placeholders).sum()), 0, []
+            while covered < needed:
                 image = next(images, None)
                 if image is None:
                     raise ValueError(
                         f"row {index}'s image placeholder tokens need more images than were given."
                     )
                 taken.append(image)
+                covered += image.num_tokens(encoder.spatial_merge_size)
             per_row.append(tuple(taken))
         if next(images, None) is not None:
             raise ValueError("more images were given than the rows' image placeholder tokens stand for.")
