@@ -1,13 +1,15 @@
-"""`optimum-qwen36 serve` replicas behind sglang-router, as users run them: two replica processes and the
-router on 127.0.0.1. Through the router: the model listed under its served name and answered whether or not
-a request names it; multi-turn conversations kept on the replica that caches them (cache_aware); a replica
-stopped (SIGTERM) under traffic without a failed request, then restarted and routed to again."""
+"""`optimum-qwen36 serve` replicas behind sglang-router and vllm-router, as users run them: two replica
+processes (publishing KV events) and the router on 127.0.0.1. Through the router: the model listed under its
+served name and answered whether or not a request names it; multi-turn conversations kept on the replica
+that caches them (sglang-router's cache_aware, vllm-router's kv_aware from the KV events); a replica stopped
+(SIGTERM) under traffic without a failed request, then restarted and routed to again."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("sglang_router")
+pytest.importorskip("vllm_router")
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-chat"
@@ -63,12 +66,19 @@ class Replica:
         self.checkpoint, self.log = checkpoint, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        }
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(self.checkpoint)]
         command += ["--backend", "eager", "--port", str(self.port), "--served-model-name", MODEL]
         command += ["--sequence-length", "1024", "--default-enable-thinking", "false"]
+        command += ["--kv-events-config", json.dumps(self.kv_events)]  # for vllm-router's kv_aware
         # Two replicas and the router share the machine: at torch's default of one thread per core each,
         # the replicas' OpenMP threads wait on each other across processes (requests ten times slower on
         # two cores). The tiny model needs no more than one.
@@ -104,26 +114,19 @@ class Replica:
 
 
 @contextmanager
-def sglang_router(replicas: list[Replica], log: Path, *flags: str) -> Iterator[str]:
-    """sglang-router in front of the replicas, once it has registered them all: its URL. Its output goes
-    to `log` (a pipe nobody reads would fill with its warnings and stall it)."""
-    port = free_port()
-    command = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--worker-urls", *(replica.url for replica in replicas)]
-    # Its Prometheus exporter takes port 29000 unless told otherwise, which another router may hold.
-    command += ["--prometheus-port", str(free_port()), "--log-level", "warn", *flags]
+def router_process(command: list[str], log: Path, ready: Callable[[str], bool]) -> Iterator[None]:
+    """A router process until the block ends, once `ready(its log)`. Its output goes to `log` (a pipe
+    nobody reads would fill with its warnings and stall it)."""
     with open(log, "ab") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
 
-        def all_registered() -> bool:
+        def started() -> bool:
             assert process.poll() is None, log.read_text(errors="replace")[-4000:]
-            readiness = get(url + "/readiness")
-            return readiness is not None and json.loads(readiness)["healthy_workers"] == len(replicas)
+            return ready(log.read_text(errors="replace"))
 
-        wait_until(all_registered, 30, "the router registers every replica")
-        yield url
+        wait_until(started, 30, "the router registers every replica")
+        yield
     finally:
         process.terminate()
         try:
@@ -131,6 +134,40 @@ def sglang_router(replicas: list[Replica], log: Path, *flags: str) -> Iterator[s
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def sglang_router(replicas: list[Replica], log: Path, *flags: str) -> Iterator[str]:
+    """sglang-router in front of the replicas, once it has registered them all: its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "sglang_router", "launch", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--worker-urls", *(replica.url for replica in replicas)]
+    # Its Prometheus exporter takes port 29000 unless told otherwise, which another router may hold.
+    command += ["--prometheus-port", str(free_port()), "--log-level", "warn", *flags]
+
+    def all_registered(_: str) -> bool:
+        readiness = get(url + "/readiness")
+        return readiness is not None and json.loads(readiness)["healthy_workers"] == len(replicas)
+
+    with router_process(command, log, all_registered):
+        yield url
+
+
+@contextmanager
+def vllm_router(replicas: list[Replica], log: Path, *flags: str) -> Iterator[str]:
+    """vllm-router in front of the replicas: its URL, once it has subscribed to every replica's KV events
+    (its log says so; it has no endpoint that does)."""
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--worker-urls", *(replica.url for replica in replicas)]
+    command += ["--prometheus-port", str(free_port()), *flags]
+
+    def subscribed(output: str) -> bool:
+        return output.count("spawned subscriber") == len(replicas)
+
+    with router_process(command, log, subscribed):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -183,20 +220,16 @@ def test_router_lists_and_answers_the_served_model(cache_aware_router: str) -> N
     assert unnamed["model"] == MODEL
 
 
-def test_cache_aware_routing_keeps_conversations_on_their_replica(
-    replicas: list[Replica], cache_aware_router: str
-) -> None:
-    """Six conversations of four turns at once, each turn sending the history back: cache_aware spreads
-    the conversations over both replicas and sends each follow-up to the replica holding its history.
-    Each conversation opens with its own ~750-token document, a dozen 64-token KV blocks, so the cached
-    whole blocks of the previous turn's prompt are most of a follow-up; one sent to the other replica would
-    find nothing of it cached (the documents share no prefix), so the cached share measures the routing."""
-    topics = ["amber lanterns", "granite bridges", "velvet orchards", "copper tides", "harbors", "kites"]
-    client = router_client(cache_aware_router)
+def converse_in_parallel(router: str, topics: list[str]) -> list[tuple[int, int]]:
+    """One conversation of four turns per topic, all at once, each turn sending the history back: each
+    follow-up's (cached, prompt) tokens. Each conversation opens with its own ~750-token document, a dozen
+    64-token KV blocks, so the cached whole blocks of the previous turn's prompt are most of a follow-up; one
+    sent to the other replica would find nothing of it cached (the documents share no prefix), so the cached
+    share measures the routing."""
+    client = router_client(router)
 
-    def converse(index: int) -> list[tuple[int, int]]:
-        topic = topics[index]
-        facts = " ".join(f"Fact {k} about {topic}: item {7 * k + index} is listed." for k in range(45))
+    def converse(topic: str) -> list[tuple[int, int]]:
+        facts = " ".join(f"Fact {k} about {topic}: item {7 * k + len(topic)} is listed." for k in range(45))
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"Notes on {topic}. {facts}"}]
         follow_ups = []
         for turn in range(4):
@@ -212,16 +245,44 @@ def test_cache_aware_routing_keeps_conversations_on_their_replica(
             messages.append({"role": "user", "content": f"And what follows from fact {turn}?"})
         return follow_ups
 
-    before = [replica.served_requests() for replica in replicas]
     with ThreadPoolExecutor(len(topics)) as pool:
-        follow_ups = [
-            turn for conversation in pool.map(converse, range(len(topics))) for turn in conversation
-        ]
-    served = [replica.served_requests() - count for replica, count in zip(replicas, before, strict=True)]
+        return [turn for conversation in pool.map(converse, topics) for turn in conversation]
 
-    cached_share = sum(cached for cached, _ in follow_ups) / sum(prompt for _, prompt in follow_ups)
-    assert cached_share >= 0.8, follow_ups
+
+def cached_share(follow_ups: list[tuple[int, int]]) -> float:
+    return sum(cached for cached, _ in follow_ups) / sum(prompt for _, prompt in follow_ups)
+
+
+def test_cache_aware_routing_keeps_conversations_on_their_replica(
+    replicas: list[Replica], cache_aware_router: str
+) -> None:
+    """cache_aware spreads the conversations over both replicas and sends each follow-up to the replica
+    holding its history."""
+    topics = ["amber lanterns", "granite bridges", "velvet orchards", "copper tides", "harbors", "kites"]
+    before = [replica.served_requests() for replica in replicas]
+    follow_ups = converse_in_parallel(cache_aware_router, topics)
+    served = [replica.served_requests() - count for replica, count in zip(replicas, before, strict=True)]
+    assert cached_share(follow_ups) >= 0.8, follow_ups
     assert sum(served) == 4 * len(topics) and min(served) > 0, served
+
+
+def test_kv_aware_routing_follows_the_replicas_kv_events(replicas: list[Replica], logs: Path) -> None:
+    """vllm-router's kv_aware policy: it reads each replica's /get_server_info and /kv_event_sources,
+    subscribes to its KV events, renders each request (/v1/chat/completions/render) and sends it where
+    its prefix is stored; the prefix it credits is the one the replica reuses."""
+    topics = ["silver comets", "paper boats", "iron gates", "linen sails", "quartz caves", "maple roads"]
+    log = logs / "kv-aware-router.log"
+    with vllm_router(replicas, log, "--policy", "kv_aware", "--log-level", "debug") as router:
+        before = [replica.served_requests() for replica in replicas]
+        follow_ups = converse_in_parallel(router, topics)
+        served = [replica.served_requests() - count for replica, count in zip(replicas, before, strict=True)]
+    assert cached_share(follow_ups) >= 0.8, follow_ups
+    assert sum(served) == 4 * len(topics) and min(served) > 0, served
+    decisions = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))  # its colours
+    assert "kv_index decode batch" not in decisions, "the router could not read an event batch"
+    credited = [int(n) for n in re.findall(r"credited_prefix_tokens=(\d+)", decisions)]
+    # Each follow-up is credited the prefix its replica then reused.
+    assert sorted(credited)[-len(follow_ups) :] == sorted(cached for cached, _ in follow_ups), credited
 
 
 class Traffic:
