@@ -1173,7 +1173,12 @@ def test_responses_previous_response_id_continues_in_memory(server, client) -> N
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        # this model takes text only
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0"),
         ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input.0"),
         ({"input": "\ud800"}, "input"),
     ],

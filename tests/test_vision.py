@@ -349,6 +349,53 @@ def test_the_server_answers_an_image_as_generate_does(vision_server) -> None:
     assert streamed == served
 
 
+def test_the_responses_api_takes_input_image_as_chat_takes_image_url(vision_server) -> None:
+    """OpenAI's Responses API with an input_image part: the answer and its prompt tokens are chat's."""
+    running, _ = vision_server
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key=API_KEY)
+    picture = data_url(
+        Image.fromarray(np.random.default_rng(5).integers(0, 255, (48, 64, 3), dtype=np.uint8)), "PNG"
+    )
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    chat = client.chat.completions.create(
+        model="tiny-vision",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe"},
+                    {"type": "image_url", "image_url": {"url": picture}},
+                ],
+            }
+        ],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True, **no_thinking},
+    )
+    response = client.responses.create(
+        model="tiny-vision",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Describe"},
+                    {"type": "input_image", "image_url": picture},
+                ],
+            }
+        ],
+        max_output_tokens=5,
+        temperature=0,
+        reasoning={"effort": "none"},
+        extra_body={"ignore_eos": True},
+    )
+    assert response.usage.input_tokens == chat.usage.prompt_tokens > 20
+    assert response.output_text == chat.choices[0].message.content
+    # An image outside a user message is refused by name.
+    bad = {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": picture}]}]}
+    status, _, body = running.request("POST", "/v1/responses", bad)
+    assert status == 400 and json.loads(body)["error"]["param"] == "input.0.content.0"
+
+
 def test_the_server_refuses_bad_images_by_part_and_goes_on(vision_server) -> None:
     running, _ = vision_server
     picture = Image.fromarray(np.random.default_rng(4).integers(0, 255, (32, 32, 3), dtype=np.uint8))

@@ -34,11 +34,13 @@ from .responses_api_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
+    ImageContent,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
 )
 from .runs import ChoiceRuns
+from .served import ServedModel
 
 
 @dataclass
@@ -62,6 +64,7 @@ class ResponsesAPI:
         server.check_model(body.model)
         _refuse_unserved(body)
         history = self._history(body.previous_response_id)
+        _check_images(body.input, server.ready())
         messages = history + _chat_messages(body.input)
         response_id = f"resp_{uuid.uuid4().hex}"
         server.admit(1)  # before the grammars are built
@@ -131,6 +134,41 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         )
 
 
+def _check_images(input_: str | list[Any], model: ServedModel) -> None:
+    """Images come in user messages, to a model with a vision tower: the first that does not is refused."""
+    if isinstance(input_, str):
+        return
+    for i, item in enumerate(input_):
+        if not isinstance(item, MessageItem) or isinstance(item.content, str):
+            continue
+        for j, part in enumerate(item.content):
+            if not isinstance(part, ImageContent):
+                continue
+            where = f"input.{i}.content.{j}"
+            if item.role != "user":
+                raise bad_request(
+                    f"{where} is an image in a {item.role} message: images come from the user.", where
+                )
+            if model.images is None:
+                raise bad_request(
+                    f"{where} is an image, but this model takes text only (serve a Qwen3.5 / Qwen3.6 "
+                    "checkpoint with its vision tower to send images).",
+                    where,
+                )
+
+
+def _user_content(content: str | list[Any]) -> str | list[dict[str, Any]]:
+    """A user message's content for chat: its text, or its text and image parts."""
+    if isinstance(content, str) or not any(isinstance(part, ImageContent) for part in content):
+        return _text(content)
+    return [
+        {"type": "image_url", "image_url": {"url": part.image_url}}
+        if isinstance(part, ImageContent)
+        else {"type": "text", "text": getattr(part, "text", None) or getattr(part, "refusal", "")}
+        for part in content
+    ]
+
+
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
@@ -161,6 +199,8 @@ def _chat_messages(input_: str | list[Any]) -> list[dict[str, Any]]:
         elif isinstance(item, MessageItem) and item.role == "assistant":
             turn = assistant_turn()
             turn["content"] = turn["content"] + _text(item.content)
+        elif isinstance(item, MessageItem) and item.role == "user":
+            messages.append({"role": "user", "content": _user_content(item.content)})
         elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):

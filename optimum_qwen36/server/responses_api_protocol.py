@@ -1,5 +1,5 @@
 """OpenAI's Responses API request body (POST /v1/responses): the fields this server serves, validated as
-strictly as chat's (protocol.py); what it cannot serve (hosted tools, images, background runs,
+strictly as chat's (protocol.py); what it cannot serve (hosted tools, files, background runs,
 conversations) is refused by name."""
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ def _check_text_content(content: Any) -> Any:
     return check_text_parts(content, ("input_text", "output_text", "refusal"), untyped=None)
 
 
+def _check_message_content(content: Any) -> Any:
+    """Text, and images (for a user message, checked when the messages are read)."""
+    return check_text_parts(content, ("input_text", "output_text", "refusal", "input_image"), untyped=None)
+
+
 class TextContent(BodyPart):
     type: Literal["input_text", "output_text"]
     text: str
@@ -25,17 +30,26 @@ class RefusalContent(BodyPart):
     refusal: str
 
 
+class ImageContent(BodyPart):
+    """An image of a user message: a data: URL, or an http(s) URL the server may fetch (server/images.py)."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 Content = Annotated[TextContent | RefusalContent, Field(discriminator="type")]
+MessageContent = Annotated[TextContent | RefusalContent | ImageContent, Field(discriminator="type")]
 
 
 class MessageItem(BodyPart):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[Content]
+    content: str | list[MessageContent]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
-    _text_parts = field_validator("content", mode="before")(_check_text_content)
+    _text_parts = field_validator("content", mode="before")(_check_message_content)
 
 
 class FunctionCallItem(BodyPart):
