@@ -538,6 +538,26 @@ def test_metrics_under_vllm_names_agree_with_ours(server, client) -> None:
     assert families["vllm:prefix_cache_hits"].type == "counter"
 
 
+def test_what_routers_read_of_a_replica(server) -> None:
+    """SGLang's /model_info and /server_info (and their /get_ names: sglang-router learns the model's name
+    from them), /get_load (its power_of_two policy), without the API key as /health."""
+    for path in ("/model_info", "/get_model_info"):
+        status, _, body = server.request("GET", path, key=None)
+        info = json.loads(body)
+        assert status == 200 and info["model_path"] == MODEL and info["is_generation"] is True
+    for path in ("/server_info", "/get_server_info"):
+        status, _, body = server.request("GET", path, key=None)
+        info = json.loads(body)
+        assert status == 200 and info["served_model_name"] == info["model_id"] == MODEL
+        assert info["kv_block_size"] == 64 and info["max_running_requests"] == SLOTS and info["dp_size"] == 1
+    status, _, body = server.request("GET", "/get_load", key=None)
+    (load,) = json.loads(body)
+    assert status == 200 and load["dp_rank"] == 0 and load["num_reqs"] == load["num_waiting_reqs"] == 0
+    assert load["num_tokens"] == 0
+    status, _, body = server.request("GET", "/kv_event_sources", key=None)
+    assert status == 200 and json.loads(body) == {}  # this server publishes no KV events
+
+
 def test_kv_events_announce_what_the_replica_can_reuse(model) -> None:
     """--kv-events-config: the prefix cache's stored prefixes go out in vLLM's wire format (ZMQ, msgpack
     array batches of "type"-tagged maps), as /kv_event_sources says, and a subscriber that missed some
