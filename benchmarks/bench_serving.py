@@ -214,7 +214,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_our_server(args: argparse.Namespace, checkpoint: Path) -> tuple[subprocess.Popen, str]:
+def start_our_server(
+    args: argparse.Namespace, checkpoint: Path, threads: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Our server on `checkpoint` (torch's default threads, one per core, unless `threads`), once healthy."""
     port = free_port()
     command = [sys.executable, "-m", "optimum_qwen36.cli", "serve", str(checkpoint), "--port", str(port)]
     command += ["--backend", args.backend, "--dtype", args.dtype, "--batch-size", str(args.batch_size)]
@@ -222,7 +225,8 @@ def start_our_server(args: argparse.Namespace, checkpoint: Path) -> tuple[subpro
     command += ["--served-model-name", "bench", "--prefill-chunk-size", str(args.prefill_chunk_size)]
     if args.compile_cache_dir:
         command += ["--compile-cache-dir", str(args.compile_cache_dir)]
-    process = subprocess.Popen(command)
+    environment = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    process = subprocess.Popen(command, env=environment)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 3600
     while time.monotonic() < deadline:
