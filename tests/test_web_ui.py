@@ -305,8 +305,11 @@ def test_page_is_served_with_its_policy_and_shadows_no_api_path(server: RunningS
     status, headers, body = server.request("GET", "/", key=None)
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert headers["content-security-policy"] == CONTENT_SECURITY_POLICY
-    assert b'src="/web/app.js"' in body and b'name="default-enable-thinking" content="true"' in body
-    for asset, kind in (("app.js", "text/javascript"), ("app.css", "text/css"), ("icon.svg", "image/svg")):
+    assert b'src="/web/view.js"' in body and b'src="/web/app.js"' in body
+    assert b'name="default-enable-thinking" content="true"' in body
+    scripts = {"view.js": "text/javascript", "app.js": "text/javascript"}
+    assets = {**scripts, "app.css": "text/css", "icon.svg": "image/svg"}
+    for asset, kind in assets.items():
         status, headers, _ = server.request("GET", f"/web/{asset}", key=None)
         assert status == 200 and headers["content-type"].startswith(kind)
         assert headers["content-security-policy"] == CONTENT_SECURITY_POLICY

@@ -22,10 +22,8 @@ the chooser the request's next-token logits and computes nothing more for it unt
 A request may also bring a `ComputedSequence`: the state of its first tokens, computed elsewhere, copied
 into its slot and blocks when it is admitted.
 
-A request with images (an engine with an `ImageEncoder`, the vision tower): the images are placed on their
-placeholder tokens at admission (`network.vision.place_images`: the prompt's multimodal rotary positions);
-an image is encoded when the first chunk holding its tokens runs, its features kept until its last token is
-computed (a chunk may end inside an image), and the prefix cache keys its tokens with its content hash.
+A request with images (an engine with an `ImageEncoder`, the vision tower): images.py places them on the
+prompt at admission and encodes each when the first chunk holding its tokens runs.
 
 The GDN state of a request lives in its slot of the cache from admission to finish; its KV blocks come from
 the prefix cache's pool. Prefix caching is a policy the scheduler consults: lookup at admission (the engine
@@ -47,9 +45,9 @@ import torch
 
 from ..backends.base import ImageEncoder, StepBackend
 from ..network.cache import CacheStorage
-from ..network.vision import PromptImages, place_images
 from ..prefix_caching import PrefixCache
 from .detokenizer import IncrementalDetokenizer
+from .images import EngineImages
 from .request import (
     ComputedSequence,
     EngineRequest,
@@ -59,7 +57,7 @@ from .request import (
     RequestState,
     TokenChooser,
 )
-from .runner import ChunkImages, ModelRunner, PackedChunk
+from .runner import ModelRunner, PackedChunk
 from .sampling import SamplingParams, SamplingRow, VerifiedToken, sample, verify_drafts
 from .scheduler import PrefillChunk, Scheduler, StepPlan
 from .speculative import CatchUp, MTPDrafter
@@ -89,7 +87,6 @@ class Engine:
         image_encoder: ImageEncoder | None = None,
     ) -> None:
         self.runner = ModelRunner(backend, cache, prefill_chunk_size)
-        self.image_encoder = image_encoder
         self.cache = cache
         self.prefix_cache = prefix_cache
         self.max_num_seqs = cache.batch_size
@@ -114,6 +111,7 @@ class Engine:
         if self.num_speculative_tokens:
             self.drafter = MTPDrafter(self.runner, self.num_speculative_tokens, self._table)
         # Per draft position: drafts verified, and drafts accepted.
+        self.images = EngineImages(image_encoder, backend, speculative=self.drafter is not None)
         self._drafted = [0] * self.num_speculative_tokens
         self._accepted = [0] * self.num_speculative_tokens
         self._requests: dict[str, Request] = {}
@@ -165,7 +163,7 @@ class Engine:
             )
         if request.computed is not None:
             self._check_computed(request.computed, len(ids), params)
-        images = self._place_images(request)
+        images = self.images.place(request)
         request_id = request.request_id if request.request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
@@ -185,61 +183,6 @@ class Engine:
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request_id
-
-    def _place_images(self, request: EngineRequest) -> PromptImages | None:
-        """The request's images on its prompt's placeholder tokens; a clear error where this engine cannot
-        take them or the prompt does not match them."""
-        encoder = self.image_encoder
-        if encoder is None:
-            if request.images:
-                raise ValueError(
-                    "this model has no vision tower: it takes text only. Load a checkpoint with a "
-                    "vision_config through NeuronQwen36ForConditionalGeneration to send images."
-                )
-            return None
-        if not request.images and not any(t in encoder.placeholder_ids for t in request.prompt_ids):
-            return None
-        if not self.runner.backend.takes_images:
-            raise ValueError(
-                f"the {self.runner.backend.name} backend's compiled steps take text only; export with "
-                "backend='eager' to send images."
-            )
-        if self.drafter is not None:
-            raise ValueError(
-                "images with MTP speculative decoding are not supported: export without "
-                "num_speculative_tokens to send images."
-            )
-        return place_images(
-            request.prompt_ids, request.images, encoder.placeholder_ids, encoder.spatial_merge_size
-        )
-
-    def _chunk_images(self, request: Request, start: int, end: int) -> ChunkImages | None:
-        """What the chunk start..end of a request with images reads besides its tokens: their rotary
-        positions, and the features of the image tokens among them (each image encoded when its first chunk
-        runs and dropped after its last). Every chunk of such a request passes features (none past its
-        images): one step signature, one graph where the backend's graphs have static shapes."""
-        placed = request.images
-        if placed is None:
-            return None
-        assert self.image_encoder is not None
-        features = self.image_encoder.no_features(end - start)
-        images = ChunkImages(
-            placed.positions(start, end), features, torch.zeros(end - start, dtype=torch.bool)
-        )
-        for index, (image, first, last) in enumerate(
-            zip(placed.images, placed.starts, placed.ends(), strict=True)
-        ):
-            if last <= start or first >= end:
-                continue
-            encoded = request.image_features.get(index)
-            if encoded is None:
-                encoded = request.image_features[index] = self.image_encoder.encode(image)
-            lo, hi = max(first, start), min(last, end)
-            features[lo - start : hi - start] = encoded[lo - first : hi - first]
-            images.mask[lo - start : hi - start] = True
-            if last <= end:
-                del request.image_features[index]
-        return images
 
     def _check_computed(self, computed: ComputedSequence, num_tokens: int, params: SamplingParams) -> None:
         """What can be checked of a computed sequence a request brings: it fits the request's tokens, its
@@ -486,7 +429,7 @@ class Engine:
             tokens = request.token_ids[chunk.start : chunk.end]
             table = self._table(request)
             slot = self.scheduler.slot_of(request)
-            images = self._chunk_images(request, chunk.start, chunk.end)
+            images = self.images.chunk(request, chunk.start, chunk.end)
             sequences.append(PackedChunk(tokens, chunk.start, slot, table, chunk.snapshots, images))
         logits = self.runner.prefill_packed(sequences)
         taken = itertools.count()
@@ -503,7 +446,7 @@ class Engine:
             chunk.start,
             self.scheduler.slot_of(request),
             self._table(request),
-            images=self._chunk_images(request, chunk.start, chunk.end),
+            images=self.images.chunk(request, chunk.start, chunk.end),
         )
         if request.needs_prompt_logprobs:  # chunks run in order: this one holds prompt positions
             logits, hidden, positions = self.runner.prefill_positions(run)

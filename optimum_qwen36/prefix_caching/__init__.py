@@ -3,9 +3,10 @@
 from .block_pool import BlockPool
 from .build import build_prefix_cache
 from .checkpoint import GDNCheckpoint, GDNStateSpec, layer_checksums
+from .config import KERNEL_CHUNK, KVBlocksExhausted, PrefixCacheConfig
 from .events import BlocksRemoved, BlocksStored, PrefixCacheEvent
 from .hashing import block_key, chain_keys, root_key
-from .manager import KERNEL_CHUNK, CachedSequence, KVBlocksExhausted, PrefixCache, PrefixCacheConfig
+from .manager import CachedSequence, PrefixCache
 
 __all__ = [
     "KERNEL_CHUNK",

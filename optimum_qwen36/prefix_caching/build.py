@@ -6,7 +6,8 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from .checkpoint import GDNStateSpec
-from .manager import PrefixCache, PrefixCacheConfig
+from .config import PrefixCacheConfig
+from .manager import PrefixCache
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -33,6 +33,7 @@ DEFAULT_THINKING_PLACEHOLDER = b"DEFAULT_ENABLE_THINKING"
 # The files under /web/ and their media types.
 ASSETS = {
     "app.js": "text/javascript; charset=utf-8",
+    "view.js": "text/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
     "icon.svg": "image/svg+xml",
 }
