@@ -688,6 +688,9 @@ BAD_REQUESTS = {
     "token outside the vocabulary": ("/v1/completions", {**GOOD, "prompt": [5, 10**9]}, None),
     "negative token": ("/v1/completions", {**GOOD, "prompt": [-1]}, None),
     "huge n": ("/v1/completions", {**GOOD, "n": 10**6}, None),
+    # A render describes a request the server would run: built for every choice, so refused first.
+    "huge n to render": ("/v1/completions/render", {**GOOD, "n": 4_106_782}, None),
+    "huge n to render a chat": ("/v1/chat/completions/render", {"messages": GREETING, "n": 10**7}, None),
     "huge max_tokens": ("/v1/completions", {**GOOD, "max_tokens": 10**12}, None),
     "prompt over the model length": ("/v1/completions", {**GOOD, "prompt": [7] * 1100}, None),
     "suffix": ("/v1/completions", {**GOOD, "suffix": "x"}, None),
@@ -1022,7 +1025,12 @@ def test_openapi_describes_the_server(server) -> None:
     assert set(chat_route["responses"]) == {"200", "400", "401", "404", "503"}
     ok = chat_route["responses"]["200"]["content"]
     assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
-    assert "text/event-stream" in ok
+    # An event stream's schema is one event's (OpenAPI before 3.2): its data a chunk as JSON, or [DONE].
+    data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+    assert data[0] == {"const": "[DONE]"} and data[1]["contentMediaType"] == "application/json"
+    chunk = {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    assert data[1]["contentSchema"]["anyOf"] == [chunk, {"$ref": "#/components/schemas/ErrorResponse"}]
+    assert {"ChatCompletionChunk", "ResponseEvent"} <= set(document["components"]["schemas"])
     error = chat_route["responses"]["400"]["content"]["application/json"]["schema"]
     assert error == {"$ref": "#/components/schemas/ErrorResponse"}
     schemas = document["components"]["schemas"]

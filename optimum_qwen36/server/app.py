@@ -34,10 +34,12 @@ from .responses_api import ResponsesAPI
 from .responses_api_protocol import ResponsesRequest
 from .schemas import (
     ChatCompletion,
+    ChatCompletionChunk,
     Completion,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ResponseEvent,
     ResponseObject,
     TokenizeResponse,
     TokenizerInfo,
@@ -94,9 +96,9 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     # The 200 bodies are built as dicts and documented by models: sent as built (no null-valued field added).
     api: dict[str, Any] = {"dependencies": guarded, "responses": errors, "response_model_exclude_unset": True}
 
-    def generating(body: type[BaseModel], events: str) -> dict[str, Any]:
-        """A generation route's documentation: `body` as JSON, or server-sent `events` when streamed."""
-        return {"dependencies": guarded, "responses": {**streamed(body, events), **errors}}
+    def generating(body: type[BaseModel], event: type[BaseModel], done: bool) -> dict[str, Any]:
+        """A generation route's documentation: `body` as JSON, or server-sent `event`s when streamed."""
+        return {"dependencies": guarded, "responses": {**streamed(body, event, done), **errors}}
 
     health_200 = {200: {"description": "The engine runs (an empty body)."}, **error_responses(503)}
 
@@ -149,11 +151,11 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     async def tokenizer_info() -> dict[str, Any]:
         return model_endpoints.tokenizer_info(server)
 
-    @app.post("/v1/completions", **generating(Completion, "Completion bodies, then [DONE]"))
+    @app.post("/v1/completions", **generating(Completion, Completion, done=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(server, body, request)
 
-    @app.post("/v1/chat/completions", **generating(ChatCompletion, "ChatCompletionChunk bodies, then [DONE]"))
+    @app.post("/v1/chat/completions", **generating(ChatCompletion, ChatCompletionChunk, done=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
 
@@ -165,7 +167,7 @@ def build_app(load: Callable[[], ServedModel], settings: ServerSettings) -> Fast
     async def chat_completions_render(body: ChatCompletionRequest) -> dict[str, Any]:
         return await render_chat_completion(server, body)
 
-    @app.post("/v1/responses", **generating(ResponseObject, "the Responses API's typed events"))
+    @app.post("/v1/responses", **generating(ResponseObject, ResponseEvent, done=False))
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await responses_api.create(body, request)
 

@@ -51,6 +51,7 @@ async def create_chat_completion(
 
 async def render_chat_completion(server: OpenAIServer, body: ChatCompletionRequest) -> dict[str, Any]:
     """vLLM's /v1/chat/completions/render: what the request would run, without running it."""
+    server.check_count(body.n)  # what the request would need, before its choices are built
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = await prepare_chat(server, body, response_id)
     return generate_request(server, response_id, prepared.requests[0], body)

@@ -33,6 +33,7 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
 async def render_completion(server: OpenAIServer, body: CompletionRequest) -> list[dict[str, Any]]:
     """vLLM's /v1/completions/render: what each prompt of the request would run, without running it."""
     prompts = _checked_prompts(server, body)
+    server.check_count(len(prompts) * body.n)  # what the request would need, before it is built
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = await _engine_requests(server, body, prompts, response_id)
     return [generate_request(server, response_id, r, body) for r in requests[:: body.n]]

@@ -72,22 +72,27 @@ class OpenAIServer:
 
     def admit(self, count: int) -> None:
         """Refuse `count` more sequences if the server is shutting down or the queue cannot take them."""
-        model = self.ready()
+        self.ready()
         if self.draining:
             raise OpenAIError(
                 503,
                 "The server is shutting down: send the request to another replica, or retry once it is back.",
                 headers={"Retry-After": "5"},
             )
-        capacity = model.max_num_seqs + self.settings.max_waiting_requests
-        if count > capacity:
-            raise bad_request(f"n={count} sequences exceed what this server can queue ({capacity}).", "n")
+        capacity = self.check_count(count)
         if self._in_flight + count > capacity:
             raise OpenAIError(
                 503,
                 f"The server is at capacity ({self._in_flight} sequences running or queued): retry later.",
                 headers={"Retry-After": "1"},
             )
+
+    def check_count(self, count: int) -> int:
+        """Refuse a request of `count` sequences that this server could never queue; its capacity."""
+        capacity = self.ready().max_num_seqs + self.settings.max_waiting_requests
+        if count > capacity:
+            raise bad_request(f"n={count} sequences exceed what this server can queue ({capacity}).", "n")
+        return capacity
 
     def check_grammar_fields(self, body: SamplingFields) -> None:
         if body.min_tokens:

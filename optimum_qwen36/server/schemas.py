@@ -220,6 +220,15 @@ class ResponseUsage(_Body):
     total_tokens: int
 
 
+class ResponseEvent(_Body):
+    """One event of a streamed response (its `type` is also the server-sent event's name): the response
+    created, in progress and completed or incomplete, output items and their parts added, text deltas and
+    done, or an error."""
+
+    type: str
+    sequence_number: int
+
+
 class ResponseObject(_Body):
     """A Responses API response (`stream` false), or, streamed, typed server-sent events whose last one
     (response.completed or response.incomplete) carries it."""
@@ -241,6 +250,7 @@ class ResponseObject(_Body):
 
 
 # ---------------------------------------------------------------------- the document
+STREAMED_EVENTS = (ChatCompletionChunk, Completion, ResponseEvent)
 _ERRORS = {
     400: "The request is invalid: the message says which field and why.",
     401: "The API key is missing or wrong (when the server has one).",
@@ -256,15 +266,33 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"description": _ERRORS[status], "content": body} for status in statuses}
 
 
-def streamed(model: type[BaseModel], events: str) -> dict[int | str, dict[str, Any]]:
-    """A 200 that is `model` as JSON, or server-sent `events` when the request streams."""
-    stream = {"schema": {"type": "string", "description": f"Server-sent events: {events}."}}
-    return {200: {"model": model, "content": {"text/event-stream": stream}}}
+def streamed(model: type[BaseModel], event: type[BaseModel], done: bool) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is `model` as JSON, or, when the request streams, server-sent events whose data is an
+    `event` body as JSON (or OpenAI's error body, where the stream fails), then `[DONE]` if `done`.
+
+    Before OpenAPI 3.2's `itemSchema`, an event stream's `schema` describes one event as an object of its
+    fields (`data`, `event`), as schemathesis validates it."""
+    payload = {"anyOf": [_ref(event), _ref(ErrorResponse)]}
+    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json"}
+    data["contentSchema"] = payload
+    if done:
+        data = {"anyOf": [{"const": "[DONE]"}, data]}
+    one_event = {
+        "type": "object",
+        "properties": {"data": data, "event": {"type": "string"}},
+        "required": ["data"],
+        "description": f"One server-sent event: {event.__name__} as JSON{', then [DONE]' if done else ''}.",
+    }
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": one_event}}}}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def describe_errors_as_served(app: FastAPI) -> None:
-    """Make the app's OpenAPI document FastAPI's less its 422 validation-error responses, with the error
-    body `error_responses` refers to."""
+    """Make the app's OpenAPI document FastAPI's less its 422 validation-error responses, with the bodies
+    that only `error_responses` and `streamed` refer to."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -276,8 +304,9 @@ def describe_errors_as_served(app: FastAPI) -> None:
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for unused in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(unused, None)
-            error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(error.pop("$defs", {}), ErrorResponse=error)
+            for model in (ErrorResponse, *STREAMED_EVENTS):  # named only inside event streams' schemas
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}), **{model.__name__: schema})
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
