@@ -1,7 +1,9 @@
 """Agentic serving through the field's own load generator, guidellm (`pip install guidellm`, 0.8.x): our
 OpenAI-compatible server (started here), ours as two replicas behind sglang-router (`--router sglang`,
 each replica half the cores), and peers already serving the same checkpoint (`--peer NAME=URL`, e.g.
-llama.cpp's llama-server; one that does not answer is skipped and said so).
+llama.cpp's llama-server; one that does not answer is skipped and said so). Ours and the replicas are started
+for each measurement and stopped after it (each holds a prefix cache of up to 4 GiB: idle beside another
+server's measurement they would take its memory).
 
 Workload "agentic" (guidellm's synthetic multi-turn data, /v1/chat/completions, streamed): conversations of
 `--turns` turns behind one shared system prompt of `--system-prompt-tokens` tokens; each turn adds a
@@ -46,9 +48,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -81,8 +83,12 @@ def our_server(args: argparse.Namespace, checkpoint: Path, threads: int | None =
     try:
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        process.terminate()  # drains: streams in flight finish first
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextmanager
@@ -118,6 +124,15 @@ def sglang_router(replica_urls: list[str], log: Path) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@contextmanager
+def routed_replicas(args: argparse.Namespace, checkpoint: Path, log: Path) -> Iterator[str]:
+    """Two of our servers, each on half the cores, behind sglang-router: the router's URL."""
+    threads = max((os.cpu_count() or 2) // 2, 1)
+    with ExitStack() as replicas:
+        urls = [replicas.enter_context(our_server(args, checkpoint, threads)) for _ in range(2)]
+        yield replicas.enter_context(sglang_router(urls, log))
 
 
 def lengths(name: str, low: int, high: int) -> dict:
@@ -343,41 +358,44 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "bench_agentic.json")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp, ExitStack() as servers_up:
+    with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
         directory = Path(tmp)
         dtype = getattr(torch, args.dtype)
         checkpoint = args.model or random_checkpoint(directory / "ckpt", args.layers, dtype)
         # The tokenizer our server loads: the checkpoint's own, else the one this package ships.
         tokenizer = checkpoint if has_tokenizer_files(checkpoint) else PACKAGE_DIR
         body = request_body(digit_bias(checkpoint))
-        urls = {OURS: servers_up.enter_context(our_server(args, checkpoint))}
+        # Ours is started for each measurement and stopped after it: a server idle beside another's
+        # measurement would hold memory the other's prefix cache may need (each holds up to 4 GiB).
+        targets: dict[str, Callable[[], AbstractContextManager[str]]] = {
+            OURS: lambda: our_server(args, checkpoint)
+        }
         if args.router == "sglang":
-            threads = max((os.cpu_count() or 2) // 2, 1)
-            replicas = [servers_up.enter_context(our_server(args, checkpoint, threads)) for _ in range(2)]
-            urls[ROUTED] = servers_up.enter_context(sglang_router(replicas, directory / "router.log"))
+            targets[ROUTED] = lambda: routed_replicas(args, checkpoint, directory / "router.log")
         skipped = {}
         for name, url in args.peer:
             if answers(url, "/v1/models"):
-                urls[name] = url
+                targets[name] = lambda url=url: nullcontext(url)
             else:
                 skipped[name] = f"{url} did not answer /v1/models"
-        runs: dict[str, list[dict]] = {name: [] for name in urls}
+        runs: dict[str, list[dict]] = {name: [] for name in targets}
         scenarios = []
         for repeat in range(args.repeats):
-            for index, (name, url) in enumerate(urls.items()):  # alternate: all see the same machine load
+            for index, (name, target) in enumerate(targets.items()):  # alternate: all see the same load
                 levels = {}
-                for level, streams in enumerate(args.concurrency):
-                    # Each level and repeat its own seed: its own system prompt and conversations, none
-                    # cached by a measurement before.
-                    seed = args.seed + 100 * repeat + level
-                    prompt = system_prompt(agentic_data(args), tokenizer, seed)
-                    prime(url, prompt, streams, body)
-                    spec = scenario(args, url, streams, tokenizer, body, seed)
-                    report = run_guidellm(spec, directory, f"{repeat}-{index}-{streams}")
-                    if sent_system_prompt(report["benchmarks"][0]) != prompt:
-                        raise RuntimeError("guidellm sent another system prompt than the one primed")
-                    levels[f"concurrency@{streams}"] = summary(report["benchmarks"][0])
-                    scenarios.append(spec)
+                with target() as url:
+                    for level, streams in enumerate(args.concurrency):
+                        # Each level and repeat its own seed: its own system prompt and conversations,
+                        # none cached by a measurement before.
+                        seed = args.seed + 100 * repeat + level
+                        prompt = system_prompt(agentic_data(args), tokenizer, seed)
+                        prime(url, prompt, streams, body)
+                        spec = scenario(args, url, streams, tokenizer, body, seed)
+                        report = run_guidellm(spec, directory, f"{repeat}-{index}-{streams}")
+                        if sent_system_prompt(report["benchmarks"][0]) != prompt:
+                            raise RuntimeError("guidellm sent another system prompt than the one primed")
+                        levels[f"concurrency@{streams}"] = summary(report["benchmarks"][0])
+                        scenarios.append(spec)
                 runs[name].append(levels)
                 print(f"repeat {repeat}: {name} done", flush=True)
 
