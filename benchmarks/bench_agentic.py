@@ -255,7 +255,9 @@ def summary(benchmark: dict) -> dict:
     metrics = benchmark["metrics"]
     requests = benchmark["requests"]["successful"]
     prompt = sum(r["input_metrics"]["text_tokens"] or 0 for r in requests)
-    cached = sum(r["input_metrics"]["cached_tokens"] or 0 for r in requests)
+    reported = [r["input_metrics"]["cached_tokens"] for r in requests]
+    # None where the server reports no cached tokens (vLLM without --enable-prompt-tokens-details).
+    cached = None if all(c is None for c in reported) else sum(c or 0 for c in reported)
     return {
         "goodput_requests_per_s": metrics["request_goodput"]["successful"]["mean"],
         "slo_attainment": metrics["slo_attainment"],
@@ -263,12 +265,17 @@ def summary(benchmark: dict) -> dict:
         "ttft_p50_s": metrics["time_to_first_token_ms"]["successful"]["percentiles"]["p50"] / 1e3,
         "ttft_p99_s": metrics["time_to_first_token_ms"]["successful"]["percentiles"]["p99"] / 1e3,
         "tpot_p50_s": metrics["inter_token_latency_ms"]["successful"]["percentiles"]["p50"] / 1e3,
-        "cached_prompt_share": cached / prompt if prompt else 0.0,
+        "cached_prompt_share": None if cached is None else cached / prompt if prompt else 0.0,
         "prompt_tokens_mean": metrics["prompt_token_count"]["successful"]["mean"],
         "output_tokens_mean": metrics["output_token_count"]["successful"]["mean"],
         "requests": len(requests),
         "errored": metrics["request_totals"]["errored"],
     }
+
+
+def spread_or_none(values: list) -> dict | None:
+    """spread() of the runs, or None where a run has no value (a figure the server does not report)."""
+    return None if any(value is None for value in values) else spread(values)
 
 
 def table(report: dict) -> str:
@@ -286,8 +293,8 @@ def table(report: dict) -> str:
             lines.append(
                 f"| {server} | {level} | {fmt(m['goodput_requests_per_s'], 3)} "
                 f"| {fmt(m['slo_attainment'], 2)} | {fmt(m['requests_per_s'], 3)} "
-                f"| {fmt(m['ttft_p50_s'], 2)} | {fmt(m['ttft_p99_s'], 2)} "
-                f"| {fmt(tpot_ms, 0)} | {fmt(m['cached_prompt_share'], 2)} "
+                f"| {fmt(m['ttft_p50_s'], 2)} | {fmt(m['ttft_p99_s'], 2)} | {fmt(tpot_ms, 0)} "
+                f"| {fmt(m['cached_prompt_share'], 2) if m['cached_prompt_share'] else 'not reported'} "
                 f"| {m['prompt_tokens_mean']['median']:.0f} / {m['output_tokens_mean']['median']:.0f} |"
             )
     return "\n".join(lines)
@@ -402,7 +409,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, per_run in runs.items():
         results[name] = {
-            level: {key: spread([run[level][key] for run in per_run]) for key in per_run[0][level]}
+            level: {key: spread_or_none([run[level][key] for run in per_run]) for key in per_run[0][level]}
             for level in per_run[0]
         }
     results.update({name: {"skipped": reason} for name, reason in skipped.items()})

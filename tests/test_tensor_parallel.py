@@ -1,8 +1,8 @@
 """Tensor parallelism: a model split over 2 processes (gloo, fp32; the eager backend, and the cpu backend's
 compiled graphs with the collectives inside) gives the tokens of one process and logits within 1e-5 of the
 largest, on a configuration that exercises the awkward cases (one KV head for 2 ranks: replicated; 6 GDN
-value heads over 2 key heads: HV / H = 3), through generate() and the engine, with prefix caching on; a
-vocabulary 2 does not divide (padded); the sharding plan's checks; saving and loading; a killed worker."""
+value heads over 2 key heads: HV / H = 3; a vocabulary 2 does not divide: padded), through generate() and
+the engine, with prefix caching on; the sharding plan's checks; saving and loading; a killed worker."""
 
 from __future__ import annotations
 
@@ -53,12 +53,15 @@ VOCAB = 512
 # A fine-tuned checkpoint's vocabulary with added tokens: at tp=2 each rank holds 516 rows, rank 1's last
 # one padding.
 ODD_VOCAB = 1031
+# The module's checkpoint: the awkward heads, and a vocabulary 2 does not divide (the `two` fixture's
+# compiled graphs are tp=2 with it).
+SPLIT_MODEL = dict(AWKWARD, vocab_size=ODD_VOCAB)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", seed=3, **AWKWARD)
-    add_random_mtp_weights(directory, tiny_text_config(**AWKWARD), seed=3)
+    directory, _ = save_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", seed=3, **SPLIT_MODEL)
+    add_random_mtp_weights(directory, tiny_text_config(**SPLIT_MODEL), seed=3)
     return directory
 
 
@@ -269,16 +272,14 @@ def test_fp8_matches_one_process_and_saves_the_same_weights(
     assert any(tensor.dtype == torch.float8_e4m3fn for tensor in saved.values())
 
 
-@pytest.mark.parametrize(
-    "backend,tied", [("eager", False), ("eager", True), ("cpu", False)], ids=["eager", "eager-tied", "cpu"]
-)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_vocabulary_the_degree_does_not_divide_is_padded(
-    backend: str, tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A vocabulary of 1031 tokens at tp=2 (516 rows a rank, rank 1's last one zero; the gathered logits cut
     back to 1031) gives tp=1's tokens and logits [.., 1031], with prompts holding the last token of each
-    rank; MTP drafting (its own lm_head call) too, in the cpu backend's graphs as well; it saves tp=1's
-    [1031, hidden] tensors, tied or not, and loads again."""
+    rank; MTP drafting (its own lm_head call) too; it saves tp=1's [1031, hidden] tensors, tied or not, and
+    loads again. The cpu backend's graphs: the module's checkpoint has this vocabulary (`two`)."""
     overrides = dict(vocab_size=ODD_VOCAB, tie_word_embeddings=tied, **AWKWARD)
     directory, _ = save_tiny_checkpoint(tmp_path / "ckpt", seed=7, **overrides)
     add_random_mtp_weights(directory, tiny_text_config(**overrides), seed=7)
@@ -286,7 +287,7 @@ def test_a_vocabulary_the_degree_does_not_divide_is_padded(
     input_ids[:, -2:] = torch.tensor([515, ODD_VOCAB - 1])  # rank 0's last token, rank 1's
     served_prompts = [[ODD_VOCAB - 1, 515, 516, 3] * n for n in (1, 6)]
     saved, drafts = assert_two_processes_match_one(
-        directory, tmp_path, monkeypatch, (input_ids, attention_mask), served_prompts, backend,
+        directory, tmp_path, monkeypatch, (input_ids, attention_mask), served_prompts, "eager",
         num_speculative_tokens=2,
     )  # fmt: skip
     assert drafts
@@ -302,7 +303,8 @@ def test_fp8_blocks_a_split_would_cut_are_refused_before_any_worker_starts(tmp_p
 
 
 def test_generate_matches_one_process(one, two) -> None:
-    input_ids, attention_mask = left_padded_prompts([70, 41, 9], VOCAB, seed=1)
+    input_ids, attention_mask = left_padded_prompts([70, 41, 9], ODD_VOCAB, seed=1)
+    input_ids[:, -2:] = torch.tensor([515, ODD_VOCAB - 1])  # rank 0's last token, rank 1's (padded) last
     kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     for _ in range(2):  # the second call reuses the prompts' prefixes on every rank
         reference = one.generate(input_ids, attention_mask=attention_mask, **kwargs)
@@ -315,14 +317,14 @@ def test_generate_matches_one_process(one, two) -> None:
 
 def test_sampling_agrees_on_every_rank(two) -> None:
     """Unseeded sampling: the driver's RNG state reaches the workers (a divergence would raise)."""
-    input_ids, attention_mask = left_padded_prompts([20, 33], VOCAB, seed=2)
+    input_ids, attention_mask = left_padded_prompts([20, 33], ODD_VOCAB, seed=2)
     out = two.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=True, top_k=50)
     assert out.shape == (2, 43)
 
 
 def test_engine_matches_one_process(one, two) -> None:
     prompts = [
-        torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        torch.randint(1, ODD_VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in (90, 17, 50, 33)
     ]
     results = []
@@ -345,7 +347,7 @@ def test_engine_matches_one_process(one, two) -> None:
 def test_checkpoints_snapshotted_inside_a_chunk_match_one_process(checkpoint: Path) -> None:
     """tp=2 (eager) with 256-token chunks: a 200-token prompt's checkpoints at 128 (its history) and 192
     are taken inside its one prefill call on every rank; the follow-up hits 128 and gets tp=1's tokens."""
-    history = torch.randint(1, VOCAB, (190,), generator=torch.Generator().manual_seed(7)).tolist()
+    history = torch.randint(1, ODD_VOCAB, (190,), generator=torch.Generator().manual_seed(7)).tolist()
     prompt, follow_up = history + [5] * 10, history + [9] * 40
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outputs = []
@@ -369,7 +371,7 @@ def test_checkpoints_snapshotted_inside_a_chunk_match_one_process(checkpoint: Pa
 
 def test_bad_input_leaves_the_model_usable(two) -> None:
     with pytest.raises(ValueError, match="not a token of this model's vocabulary"):
-        two.generate(torch.tensor([[1, 2, VOCAB + 5]]), max_new_tokens=2)
+        two.generate(torch.tensor([[1, 2, ODD_VOCAB]]), max_new_tokens=2)
     assert two.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
 
 
