@@ -1,6 +1,6 @@
 """schemathesis hooks for tests/test_server_fuzz.py (loaded by the CLI through SCHEMATHESIS_HOOKS): every
 generated request body, in every phase, names the served model (so requests get past the model check to
-what they test) and asks for two tokens at most (the fuzz run tests what the server accepts and answers,
+what they test) and asks for one token (the fuzz run tests what the server accepts and answers,
 not long generations)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import schemathesis
 
-MAX_TOKENS = 2  # a first token and one decode step: streams of several chunks, at little cost
+MAX_TOKENS = 1  # the first token only: no decode step (streams still carry role, text, finish, usage)
 _LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 

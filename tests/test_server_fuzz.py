@@ -71,7 +71,7 @@ def schemathesis_run(location: str, checks: str, *options: str, tmp_path: Path) 
 def test_schemathesis_against_our_openapi(server, tmp_path: Path) -> None:
     """Every status the server answers is one /openapi.json documents for the route, with its schema."""
     checks = f"{RESPONSE_CHECKS},status_code_conformance"
-    schemathesis_run(server.url + "/openapi.json", checks, "--max-examples", "20", tmp_path=tmp_path)
+    schemathesis_run(server.url + "/openapi.json", checks, "--max-examples", "10", tmp_path=tmp_path)
 
 
 @pytest.mark.slow
