@@ -262,7 +262,7 @@ _ERRORS = {
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries for these error statuses: OpenAI's error body, as JSON whatever the route's
     own media type."""
-    body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    body = {"application/json": {"schema": _ref(ErrorResponse)}}
     return {status: {"description": _ERRORS[status], "content": body} for status in statuses}
 
 
@@ -272,9 +272,11 @@ def streamed(model: type[BaseModel], event: type[BaseModel], done: bool) -> dict
 
     Before OpenAPI 3.2's `itemSchema`, an event stream's `schema` describes one event as an object of its
     fields (`data`, `event`), as schemathesis validates it."""
-    payload = {"anyOf": [_ref(event), _ref(ErrorResponse)]}
-    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json"}
-    data["contentSchema"] = payload
+    data: dict[str, Any] = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [_ref(event), _ref(ErrorResponse)]},
+    }
     if done:
         data = {"anyOf": [{"const": "[DONE]"}, data]}
     one_event = {
